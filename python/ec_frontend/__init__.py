@@ -1,0 +1,31 @@
+"""ec-frontend: OpenAI-compatible serving for vision-language models with E/P/D disaggregation."""
+
+from __future__ import annotations
+
+from ec_frontend._core import (
+    Limits,
+    MediaItem,
+    ParsedRequest,
+    RequestError,
+    __version__,
+    compute_mm_hash,
+    decode_data_url,
+    is_valid_mm_hash,
+    merge_ec_transfer_params,
+    merge_kv_transfer_params,
+    parse_request,
+)
+
+__all__ = [
+    "Limits",
+    "MediaItem",
+    "ParsedRequest",
+    "RequestError",
+    "__version__",
+    "compute_mm_hash",
+    "decode_data_url",
+    "is_valid_mm_hash",
+    "merge_ec_transfer_params",
+    "merge_kv_transfer_params",
+    "parse_request",
+]

@@ -1,0 +1,192 @@
+"""Type stubs for the native core (`rust/ec-py`, logic in `rust/ec-core`).
+
+Every request body passes through :func:`parse_request`. It parses the raw
+bytes, validates them (typed errors naming the parameter path), merges
+``kv_transfer_params`` / ``ec_transfer_params`` into ``vllm_xargs``, decodes
+inline media and hashes each item. The GIL is released while a body is parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+Endpoint = Literal["chat", "completions", "responses", "generate"]
+
+__version__: Final[str]
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent (maps to HTTP 400).
+
+    ``param`` is the offending parameter path (``messages[2].content[0].image_url.url``),
+    or ``None`` when the body as a whole is at fault (invalid JSON, say).
+    ``code`` is a short machine-readable reason: ``invalid_json``, ``invalid_type``,
+    ``missing_field``, ``invalid_value``, ``out_of_range``, ``limit_exceeded``,
+    ``invalid_base64``, ``invalid_data_url``, ``invalid_utf8``, ``unknown_endpoint``.
+    """
+
+    param: str | None
+    message: str
+    code: str
+
+class Limits:
+    """Bounds applied while parsing. All sizes are in bytes."""
+
+    def __init__(
+        self,
+        *,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        max_depth: int = 64,
+        max_messages: int = 1024,
+        max_media_items: int = 64,
+        max_string_bytes: int = 16 * 1024 * 1024,
+        max_media_bytes: int = 32 * 1024 * 1024,
+        max_token_ids: int = 1_048_576,
+    ) -> None: ...
+    max_body_bytes: int
+    max_depth: int
+    max_messages: int
+    max_media_items: int
+    max_string_bytes: int
+    max_media_bytes: int
+    max_token_ids: int
+
+class MediaItem:
+    """One media item of a request, in order of appearance."""
+
+    @property
+    def kind(self) -> Literal["image"]: ...
+    @property
+    def mime_type(self) -> str | None: ...
+    @property
+    def data(self) -> bytes | None:
+        """Decoded bytes of an inline (``data:``) item; ``None`` for a URL reference."""
+    @property
+    def url(self) -> str | None:
+        """The http(s) URL of a referenced item; ``None`` for inline data."""
+    @property
+    def uuid(self) -> str | None: ...
+    @property
+    def mm_hash(self) -> str:
+        """Lower-case hex.
+
+        Without ``uuid``: the content hash. With a ``uuid`` that is already lower-case
+        hex (at most 128 characters): the uuid itself. Any other ``uuid``: a blake3
+        hash of it, so the same uuid names the same item on every instance.
+        """
+    @property
+    def param(self) -> str:
+        """Where the item sits in the body, e.g. ``messages[0].content[1].image_url``."""
+    def __len__(self) -> int: ...
+
+class ParsedRequest:
+    """A validated request, normalized across the four endpoints."""
+
+    @property
+    def endpoint(self) -> Endpoint: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def include_usage(self) -> bool: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def user(self) -> str | None: ...
+    @property
+    def request_id(self) -> str | None:
+        """``request_id`` of a generate request."""
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """Normalized sampling parameters (a fresh dict each call).
+
+        Keys: ``max_tokens`` (int | None), ``temperature``, ``top_p``, ``top_k``,
+        ``min_p``, ``seed`` (int | None), ``stop`` (list[str]), ``stop_token_ids``
+        (list[int]), ``n``, ``presence_penalty``, ``frequency_penalty``,
+        ``repetition_penalty``, ``logprobs`` (int | None: number of top logprobs
+        per token), ``prompt_logprobs`` (int | None), ``ignore_eos``,
+        ``skip_special_tokens``, ``include_stop_str_in_output``, ``extra_args``
+        (the merged ``vllm_xargs``: dict | None).
+        """
+    @property
+    def messages(self) -> list[dict[str, Any]] | None:
+        """Chat and responses requests: ``[{"role": str, "content": [part, ...]}]``.
+
+        Each part is ``{"type": "text", "text": str}`` or
+        ``{"type": "image", "media_index": int}`` (an index into :attr:`media`).
+        A string content becomes one text part.
+        """
+    @property
+    def prompts(self) -> list[str | list[int]] | None:
+        """Completions requests: the prompt(s), each a string or token ids."""
+    @property
+    def token_ids(self) -> list[int] | None:
+        """Generate requests: the prompt token ids."""
+    @property
+    def features(self) -> dict[str, Any] | None:
+        """Generate requests: multimodal features already placed in ``token_ids``.
+
+        ``{"mm_hashes": [str], "mm_placeholders": [{"offset": int, "length": int}],
+        "mm_grid_thw": [[t, h, w]] | None}``; the lists have one entry per item.
+        """
+    @property
+    def media(self) -> list[MediaItem]: ...
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def ec_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def mm_processor_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def add_generation_prompt(self) -> bool: ...
+    @property
+    def echo(self) -> bool: ...
+    @property
+    def instructions(self) -> str | None:
+        """Responses requests: ``instructions`` (already prepended as a system message)."""
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Top-level fields that were accepted and ignored (for logging)."""
+
+def parse_request(
+    endpoint: str,
+    body: bytes,
+    *,
+    model_id: str = "",
+    limits: Limits | None = None,
+) -> ParsedRequest:
+    """Parse and validate a request body.
+
+    ``endpoint`` is ``chat``, ``completions``, ``responses``, ``generate`` or the
+    route path (``/v1/chat/completions``, ...). ``model_id`` enters every content
+    hash, so instances of one deployment must pass the same value.
+    Raises :class:`RequestError`.
+    """
+
+def merge_kv_transfer_params(
+    xargs: dict[str, Any] | None, params: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """``xargs`` with ``params`` under ``"kv_transfer_params"``.
+
+    Present params (even ``{}``) are inserted and win over a same-named key;
+    ``None`` leaves ``xargs`` as it is. The caller's dict is never mutated.
+    Returns ``None`` only when there is nothing to carry.
+    """
+
+def merge_ec_transfer_params(
+    xargs: dict[str, Any] | None, params: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """As :func:`merge_kv_transfer_params`, under ``"ec_transfer_params"``."""
+
+def compute_mm_hash(
+    data: bytes, *, model_id: str = "", processor_kwargs: dict[str, Any] | None = None
+) -> str:
+    """The content hash (blake3, lower-case hex) that :func:`parse_request` gives an item."""
+
+def decode_data_url(url: str) -> tuple[str, bytes]:
+    """``(mime_type, bytes)`` of a base64 ``data:`` URL. Raises :class:`RequestError`."""
+
+def is_valid_mm_hash(value: str) -> bool:
+    """True for a non-empty lower-case hex string of at most 128 characters."""

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv, installs the pinned dependencies and builds the native core into it.
+# Safe to run again: dependencies are reinstalled only when requirements.txt changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+    echo "$want" >"$stamp"
+fi
+
+export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" PYO3_PYTHON="$PWD/.venv/bin/python"
+maturin develop --release -q
+.venv/bin/python -c "import ec_frontend._core" \
+    || { echo "setup: the native extension did not build" >&2; exit 1; }

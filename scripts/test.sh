@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's test command: lints, Rust tests, Python tests. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH" PYO3_PYTHON="$PWD/.venv/bin/python"
+
+echo "== lint"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+ruff check .
+ruff format --check .
+
+echo "== cargo test"
+cargo test --workspace --quiet
+
+echo "== pytest"
+python -m pytest "$@"
