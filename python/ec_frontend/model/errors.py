@@ -1,0 +1,18 @@
+"""The error raised for inputs the model layer cannot process."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """A request input that cannot be turned into model inputs (maps to HTTP 400).
+
+    ``code`` is a short machine-readable reason: ``invalid_image``,
+    ``image_too_large``, ``too_many_tokens``, ``empty_prompt``,
+    ``invalid_token_id``, ``placeholder_mismatch``, ``invalid_features``,
+    ``invalid_media_index``, ``invalid_template``, ``invalid_processor_kwargs``.
+    """
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code

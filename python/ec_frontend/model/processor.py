@@ -1,0 +1,384 @@
+"""Requests -> model inputs: chat template, tokenizer, image processor, M-RoPE.
+
+An :class:`InputProcessor` turns the three request shapes into
+:class:`ProcessedInputs`:
+
+* chat messages with image parts (:meth:`InputProcessor.process_chat`): the
+  chat template renders one ``<|image_pad|>`` per image, which is expanded to
+  as many tokens as the vision tower will emit for that image;
+* a completion prompt, text or token ids (:meth:`InputProcessor.process_prompt`);
+* token ids whose image placeholders are already expanded, with the items'
+  hashes and grids (:meth:`InputProcessor.process_generate`); their pixels are
+  absent and must come from an EC connector.
+
+Every rejected input raises :class:`InputError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from jinja2 import TemplateError
+from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
+
+from ec_frontend.model.errors import InputError
+from ec_frontend.model.media import DEFAULT_MAX_IMAGE_PIXELS, decode_image
+from ec_frontend.model.mrope import mrope_positions
+
+__all__ = [
+    "InputError",
+    "InputProcessor",
+    "MediaLike",
+    "MultiModalFeature",
+    "ProcessedInputs",
+]
+
+_HASH_RE = re.compile(r"[0-9a-f]{1,128}")
+# Template variables a request may not set: they steer rendering itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "chat_template", "tokenize", "add_generation_prompt",
+     "continue_final_message", "return_dict", "return_tensors", "tools", "documents"}
+)  # fmt: skip
+_PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels"})
+
+
+class MediaLike(Protocol):
+    """What the processor reads of a media item (the native ``MediaItem``)."""
+
+    @property
+    def data(self) -> bytes | None: ...
+    @property
+    def mm_hash(self) -> str: ...
+
+
+@dataclass(slots=True)
+class MultiModalFeature:
+    """One image of a prompt.
+
+    Its placeholder occupies ``prompt_token_ids[offset : offset + length]`` (all
+    image tokens); ``length`` equals the encoder's output rows for the image.
+    ``pixel_values`` is ``[t*h*w, patch_dim]`` float32 on the CPU, or ``None``
+    when the encoder output must come from a connector.
+    """
+
+    mm_hash: str
+    offset: int
+    length: int
+    image_grid_thw: tuple[int, int, int]
+    pixel_values: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class ProcessedInputs:
+    """A prompt ready for the engine. ``mrope_positions`` is ``[3, len(prompt)]``
+    int64; decode position ``i`` (``i >= len(prompt)``) is ``i + mrope_position_delta``
+    on all three components. ``mm_features`` are sorted by offset."""
+
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+    mrope_positions: torch.Tensor
+    mrope_position_delta: int
+    prompt: str | None = None
+
+
+class InputProcessor:
+    """Tokenizer, chat template and image processor of one Qwen2-VL checkpoint."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any,
+        *,
+        image_token_id: int,
+        spatial_merge_size: int,
+        vocab_size: int,
+        max_model_len: int,
+        model_id: str = "",
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+        self.spatial_merge_size = spatial_merge_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.model_id = model_id
+        self.max_image_pixels = max_image_pixels
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: Path, config: PretrainedConfig, *, model_id: str = ""
+    ) -> InputProcessor:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        image_processor = AutoImageProcessor.from_pretrained(directory)
+        return cls(
+            tokenizer,
+            image_processor,
+            image_token_id=int(config.image_token_id),
+            spatial_merge_size=int(config.vision_config.spatial_merge_size),
+            vocab_size=int(config.text_config.vocab_size),
+            max_model_len=int(config.text_config.max_position_embeddings),
+            model_id=model_id,
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def process_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        media: Sequence[MediaLike],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+    ) -> ProcessedInputs:
+        """Render ``messages`` (parts ``text`` / ``image`` with ``media_index``),
+        tokenize, and expand each image's placeholder."""
+        order = _image_order(messages, len(media))
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise InputError(
+                f"chat_template_kwargs may not set {reserved}", code="invalid_template"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except TemplateError as exc:
+            raise InputError(f"chat template failed: {exc}", code="invalid_template") from exc
+        ids = self._encode(text)
+        placeholders = ids.count(self.image_token_id)
+        if placeholders != len(order):
+            raise InputError(
+                f"the prompt has {placeholders} image placeholders but the messages carry "
+                f"{len(order)} images (is an image token written in the text?)",
+                code="placeholder_mismatch",
+            )
+        images = iter([self._image(media[i], i, mm_processor_kwargs) for i in order])
+        out_ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        for token in ids:
+            if token != self.image_token_id:
+                out_ids.append(token)
+                continue
+            mm_hash, grid, pixels = next(images)
+            length = grid[0] * grid[1] * grid[2] // self.spatial_merge_size**2
+            features.append(MultiModalFeature(mm_hash, len(out_ids), length, grid, pixels))
+            out_ids.extend([self.image_token_id] * length)
+        return self._finish(out_ids, features, text)
+
+    def process_prompt(self, prompt: str | Sequence[int]) -> ProcessedInputs:
+        """A text-only completion prompt (a string or token ids)."""
+        if isinstance(prompt, str):
+            ids = self._encode(prompt)
+            text: str | None = prompt
+        else:
+            ids = self._check_ids(prompt)
+            text = None
+        if self.image_token_id in ids:
+            raise InputError(
+                "the prompt contains image placeholder tokens but no images",
+                code="placeholder_mismatch",
+            )
+        return self._finish(ids, [], text)
+
+    def process_generate(
+        self, token_ids: Sequence[int], features: Mapping[str, Any] | None
+    ) -> ProcessedInputs:
+        """Token ids with expanded placeholders plus ``{"mm_hashes", "mm_placeholders",
+        "mm_grid_thw"}``; the features get ``pixel_values=None``."""
+        ids = self._check_ids(token_ids)
+        mm = _generate_features(features, len(ids), self.spatial_merge_size)
+        covered = 0
+        for feat in mm:
+            span = ids[feat.offset : feat.offset + feat.length]
+            if any(t != self.image_token_id for t in span):
+                raise InputError(
+                    f"placeholder at offset {feat.offset} (length {feat.length}) is not all "
+                    f"image tokens ({self.image_token_id})",
+                    code="placeholder_mismatch",
+                )
+            covered += feat.length
+        if ids.count(self.image_token_id) != covered:
+            raise InputError(
+                "token_ids contain image tokens outside the given mm_placeholders",
+                code="placeholder_mismatch",
+            )
+        return self._finish(ids, mm, None)
+
+    def _finish(
+        self, ids: list[int], features: list[MultiModalFeature], text: str | None
+    ) -> ProcessedInputs:
+        if not ids:
+            raise InputError("the prompt is empty", code="empty_prompt")
+        if len(ids) > self.max_model_len:
+            raise InputError(
+                f"the prompt has {len(ids)} tokens, more than the model's maximum "
+                f"context of {self.max_model_len}",
+                code="too_many_tokens",
+            )
+        placements = [(f.offset, f.length, f.image_grid_thw) for f in features]
+        positions, delta = mrope_positions(len(ids), placements, self.spatial_merge_size)
+        return ProcessedInputs(ids, features, positions, delta, text)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = list(token_ids)
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InputError(f"token {i} is not an integer", code="invalid_token_id")
+            if not 0 <= token < self.vocab_size:
+                raise InputError(
+                    f"token {i} ({token}) is outside the vocabulary [0, {self.vocab_size})",
+                    code="invalid_token_id",
+                )
+        return ids
+
+    def _image(
+        self, item: MediaLike, index: int, kwargs: Mapping[str, Any] | None
+    ) -> tuple[str, tuple[int, int, int], torch.Tensor]:
+        image = decode_image(item.data, index=index, max_pixels=self.max_image_pixels)
+        call_kwargs: dict[str, Any] = {}
+        if kwargs:
+            unknown = sorted(set(kwargs) - _PROCESSOR_KWARGS)
+            if unknown:
+                raise InputError(
+                    f"unsupported mm_processor_kwargs {unknown}; allowed: "
+                    f"{sorted(_PROCESSOR_KWARGS)}",
+                    code="invalid_processor_kwargs",
+                )
+            size = dict(self.image_processor.size)
+            for key, target in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                value = kwargs.get(key)
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise InputError(
+                        f"mm_processor_kwargs.{key} must be a positive integer",
+                        code="invalid_processor_kwargs",
+                    )
+                size[target] = value
+            if size["shortest_edge"] > size["longest_edge"]:
+                raise InputError(
+                    "mm_processor_kwargs: min_pixels exceeds max_pixels",
+                    code="invalid_processor_kwargs",
+                )
+            call_kwargs["size"] = size
+        try:
+            out = self.image_processor(images=[image], return_tensors="pt", **call_kwargs)
+        except ValueError as exc:
+            raise InputError(
+                f"image {index} cannot be processed: {exc}", code="invalid_image"
+            ) from exc
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        return item.mm_hash, (t, h, w), out["pixel_values"].to(torch.float32)
+
+
+def _image_order(messages: Sequence[Mapping[str, Any]], num_media: int) -> list[int]:
+    """Media indices of the image parts, in rendering order."""
+    order: list[int] = []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") not in ("image", "image_url"):
+                continue
+            index = part.get("media_index")
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_media:
+                raise InputError(
+                    f"messages[{m}].content[{p}] refers to media item {index!r}, "
+                    f"but the request has {num_media}",
+                    code="invalid_media_index",
+                )
+            order.append(index)
+    return order
+
+
+def _generate_features(
+    features: Mapping[str, Any] | None, num_tokens: int, merge: int
+) -> list[MultiModalFeature]:
+    if not features:
+        return []
+    hashes = features.get("mm_hashes") or []
+    placeholders = features.get("mm_placeholders") or []
+    grids = features.get("mm_grid_thw")
+    if grids is None:
+        if hashes:
+            raise InputError(
+                "features.mm_grid_thw is required for Qwen2-VL images", code="invalid_features"
+            )
+        grids = []
+    if not len(hashes) == len(placeholders) == len(grids):
+        raise InputError(
+            f"features lists differ in length: {len(hashes)} mm_hashes, "
+            f"{len(placeholders)} mm_placeholders, {len(grids)} mm_grid_thw",
+            code="invalid_features",
+        )
+    out: list[MultiModalFeature] = []
+    for i, (mm_hash, place, grid) in enumerate(zip(hashes, placeholders, grids, strict=True)):
+        if not isinstance(mm_hash, str) or not _HASH_RE.fullmatch(mm_hash):
+            raise InputError(
+                f"features.mm_hashes[{i}] is not lower-case hex", code="invalid_features"
+            )
+        offset, length = _placeholder(place, i)
+        thw = _grid(grid, i, merge)
+        expected = thw[0] * thw[1] * thw[2] // merge**2
+        if length != expected:
+            raise InputError(
+                f"features.mm_placeholders[{i}].length is {length}, but grid {list(thw)} "
+                f"gives {expected} tokens",
+                code="placeholder_mismatch",
+            )
+        if offset + length > num_tokens:
+            raise InputError(
+                f"features.mm_placeholders[{i}] ends past the prompt ({num_tokens} tokens)",
+                code="placeholder_mismatch",
+            )
+        out.append(MultiModalFeature(mm_hash, offset, length, thw, None))
+    out.sort(key=lambda f: f.offset)
+    for prev, cur in itertools.pairwise(out):
+        if cur.offset < prev.offset + prev.length:
+            raise InputError("features.mm_placeholders overlap", code="placeholder_mismatch")
+    return out
+
+
+def _placeholder(place: Any, i: int) -> tuple[int, int]:
+    if isinstance(place, Mapping):
+        offset, length = place.get("offset"), place.get("length")
+        if _is_int(offset) and _is_int(length) and offset >= 0 and length > 0:
+            return offset, length
+    raise InputError(
+        f"features.mm_placeholders[{i}] must be {{offset >= 0, length > 0}}",
+        code="invalid_features",
+    )
+
+
+def _grid(grid: Any, i: int, merge: int) -> tuple[int, int, int]:
+    if isinstance(grid, Sequence) and len(grid) == 3 and all(_is_int(v) and v > 0 for v in grid):
+        t, h, w = grid
+        if h % merge == 0 and w % merge == 0:
+            return t, h, w
+    raise InputError(
+        f"features.mm_grid_thw[{i}] must be three positive integers [t, h, w] with h and w "
+        f"multiples of {merge}",
+        code="invalid_features",
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

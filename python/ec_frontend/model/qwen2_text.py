@@ -1,0 +1,199 @@
+"""The Qwen2-VL language model on the paged KV cache.
+
+Qwen2 decoder layers (RMSNorm, attention with q/k/v bias and grouped KV heads,
+M-RoPE, SwiGLU MLP) over the flattened tokens of a whole step: every linear
+layer runs once over all ``T`` tokens, attention goes through
+:mod:`ec_frontend.model.paged_attention`. Parameter names match the
+``model.language_model.*`` names of ``transformers`` (without that prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ec_frontend.model.interface import AttentionMetadata
+from ec_frontend.model.paged_attention import (
+    PagedLayout,
+    build_layout,
+    paged_attention,
+    write_kv,
+)
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class TextModelConfig:
+    """Shape of the language model, read from a checkpoint's ``text_config``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for a shape this implementation cannot run."""
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if sum(self.mrope_section) * 2 != self.head_dim:
+            raise ValueError(
+                f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 "
+                f"= {self.head_dim // 2}"
+            )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE: the rotary frequencies are split into temporal, height and
+    width sections, each rotated by its own row of the ``[3, T]`` positions."""
+
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int]) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        component = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+        self.register_buffer("component", component, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """``[3, T]`` positions -> ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
+        inv_freq = self.inv_freq.float()
+        freqs = positions.float()[..., None] * inv_freq  # [3, T, head_dim / 2]
+        index = self.component.to(positions.device)
+        freqs = freqs.gather(0, index.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.scale = d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        layout: PagedLayout,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        cos, sin = rope[0][:, None, :], rope[1][:, None, :]
+        q = _rotate(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = _rotate(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        write_kv(kv_cache, k, v, slots)
+        out = paged_attention(q, kv_cache, layout, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        layout: PagedLayout,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, layout, slots)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2TextModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head (tied or not)."""
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        layout = build_layout(meta, inputs_embeds.device)
+        slots = meta.slot_mapping.to(inputs_embeds.device)
+        rope = self.rotary(positions.to(inputs_embeds.device), inputs_embeds.dtype)
+        h = inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, rope, kv_cache, layout, slots)
+        return self.norm(h)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states.to(weight.dtype), weight).float()

@@ -1,0 +1,120 @@
+"""Qwen2-VL as a :class:`VisionLanguageModel`: vision tower + paged language model.
+
+The vision tower is ``transformers``' Qwen2-VL vision transformer holding the
+checkpoint's weights; the language model is :class:`Qwen2TextModel`, which runs
+on the runner's paged KV cache. Either part may be absent: an encoder-only
+instance loads no language model, a prefill/decode instance may skip the
+vision tower; calling a missing part raises :class:`ComponentNotLoadedError`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel
+from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig
+
+
+class ComponentNotLoadedError(RuntimeError):
+    """A call needs the vision tower or the language model, which was not loaded."""
+
+
+class Qwen2VLModel(VisionLanguageModel):
+    """A loaded Qwen2-VL checkpoint. Built by :func:`ec_frontend.model.loader.load_model`."""
+
+    def __init__(
+        self,
+        *,
+        text_config: TextModelConfig,
+        image_token_id: int,
+        spatial_merge_size: int,
+        vision: nn.Module | None,
+        language: Qwen2TextModel | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.text_config = text_config
+        self.image_token_id = image_token_id
+        self.vocab_size = text_config.vocab_size
+        self.hidden_size = text_config.hidden_size
+        self.spatial_merge_size = spatial_merge_size
+        self.device = device
+        self.dtype = dtype
+        self.vision = vision
+        self.language = language
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
+
+    @property
+    def has_language(self) -> bool:
+        return self.language is not None
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        cfg = self.text_config
+        return KVCacheSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+        )
+
+    @torch.no_grad()
+    def encode_images(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> list[torch.Tensor]:
+        if self.vision is None:
+            raise ComponentNotLoadedError(
+                "this instance was loaded without the vision tower (load_vision=False); "
+                "image embeddings must come from an encoder instance"
+            )
+        grid = image_grid_thw.to(dtype=torch.int64, device="cpu")
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or bool((grid <= 0).any()):
+            raise ValueError(f"image_grid_thw must be [num_images, 3] of positive ints, got {grid}")
+        merge = self.spatial_merge_size
+        if bool((grid[:, 1:] % merge).any()):
+            raise ValueError(f"image grid heights and widths must be multiples of {merge}")
+        patches = grid.prod(-1)
+        if pixel_values.ndim != 2 or pixel_values.shape[0] != int(patches.sum()):
+            raise ValueError(
+                f"pixel_values has shape {tuple(pixel_values.shape)}, but the grids hold "
+                f"{int(patches.sum())} patches"
+            )
+        out = self.vision(
+            pixel_values.to(device=self.device, dtype=self.dtype),
+            grid_thw=grid.to(self.device),
+        )
+        merged = out.pooler_output
+        return list(torch.split(merged, (patches // merge**2).tolist()))
+
+    @torch.no_grad()
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        language = self._language()
+        if input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size
+        ):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        return language.embed_tokens(input_ids.to(self.device))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self._language()(inputs_embeds, positions, kv_caches, attn_metadata)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._language().logits(hidden_states)
+
+    def _language(self) -> Qwen2TextModel:
+        if self.language is None:
+            raise ComponentNotLoadedError(
+                "this instance was loaded without the language model (load_language=False)"
+            )
+        return self.language
