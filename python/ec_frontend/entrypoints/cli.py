@@ -1,0 +1,154 @@
+"""``ec-frontend``: the command line.
+
+``ec-frontend serve`` starts the OpenAI-compatible server (flags as vLLM's
+``vllm serve`` where they exist). The API key may also come from
+``EC_FRONTEND_API_KEY`` or ``VLLM_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from ec_frontend.entrypoints.launcher import ServeOptions, serve
+
+#: Subcommands: name -> (add its arguments, run it). Other modules may register more.
+COMMANDS: dict[
+    str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face checkpoint directory (default: the built-in tiny Qwen2-VL)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 and /inference routes "
+        "(env: EC_FRONTEND_API_KEY or VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use; the first is reported (default: the model id)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests batched per step")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--ec-transfer-config",
+        default=None,
+        help='JSON, e.g. \'{"ec_connector": "ECSharedStorageConnector", "ec_role": '
+        '"ec_producer", "ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}\'',
+    )
+    p.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='JSON, e.g. \'{"kv_connector": "KVSideChannelConnector", "kv_role": "kv_producer"}\'',
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="largest accepted request body; larger ones get 413 (default 64 MiB)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+    )
+    p.add_argument(
+        "--mock-engine",
+        action="store_true",
+        help="no model: tokens are echoed (for benchmarking the frontend alone)",
+    )
+    p.add_argument(
+        "--mock-token-latency-ms",
+        type=float,
+        default=0.0,
+        help="with --mock-engine: delay before each generated token",
+    )
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    api_key = (
+        args.api_key or os.environ.get("EC_FRONTEND_API_KEY") or os.environ.get("VLLM_API_KEY")
+    )
+    for name in ("max_model_len", "max_num_seqs", "max_body_bytes", "port"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            print(f"ec-frontend serve: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    options = ServeOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        api_key=api_key or None,
+        served_model_names=tuple(args.served_model_name or ()),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        dtype=args.dtype,
+        ec_transfer_config=args.ec_transfer_config,
+        kv_transfer_config=args.kv_transfer_config,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+        mock_engine=args.mock_engine,
+        mock_token_latency_s=args.mock_token_latency_ms / 1000.0,
+        access_log=args.access_log,
+        drain_timeout_s=args.drain_timeout,
+    )
+    return serve(options)
+
+
+COMMANDS["serve"] = (add_serve_args, run_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ec-frontend",
+        description="OpenAI-compatible serving for vision-language models (E/P/D)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=(COMMAND_HELP.get(name) or name)))
+    return parser
+
+
+COMMAND_HELP: dict[str, str] = {"serve": "run the OpenAI-compatible server"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    _, run = COMMANDS[args.command]
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

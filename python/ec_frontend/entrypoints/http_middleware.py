@@ -1,0 +1,139 @@
+"""A pure-ASGI middleware in front of the app: request ids, drain, auth, metrics.
+
+For each HTTP request it
+
+* takes ``X-Request-Id`` from the client (or makes one), stores it in
+  ``scope["ec_request_id"]`` and echoes it on the response;
+* refuses new work with 503 while the server drains (``/metrics`` stays up);
+* checks ``Authorization: Bearer <key>`` on ``/v1/*`` and ``/inference/*`` when
+  an API key is configured (401 otherwise);
+* counts ``ec_frontend_requests_total{endpoint,status}`` and the generation
+  requests in flight, which the drain waits on.
+
+It is written against raw ASGI, not ``BaseHTTPMiddleware``, to keep the
+per-request cost to a few dictionary operations.
+"""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.metrics import ServerMetrics
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Endpoints whose label is their path; anything else is counted as ``other``.
+KNOWN_ENDPOINTS: frozenset[str] = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/inference/v1/generate",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/docs",
+        "/openapi.json",
+    }
+)
+GENERATION_ENDPOINTS: frozenset[str] = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"}
+)
+_PROTECTED_PREFIXES: tuple[str, ...] = ("/v1/", "/inference/")
+_MAX_REQUEST_ID = 256
+
+
+class FrontState:
+    """Mutable server state the middleware and the drain share."""
+
+    def __init__(self, metrics: ServerMetrics, api_key: str | None, max_in_flight: int) -> None:
+        self.metrics = metrics
+        self.api_key = api_key.encode() if api_key else None
+        self.max_in_flight = max_in_flight
+        self.draining = False
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+class FrontMiddleware:
+    def __init__(self, app: ASGIApp, state: FrontState) -> None:
+        self.app = app
+        self.state = state
+
+    async def _reject(
+        self, send: Send, status: int, message: str, code: str, rid: bytes, extra: list[Any]
+    ) -> None:
+        body = error_body(status, message, None, code)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", rid),
+            *extra,
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        metrics = state.metrics
+        path: str = scope["path"]
+        endpoint = path if path in KNOWN_ENDPOINTS else "other"
+        rid = _header(scope, b"x-request-id")
+        if not rid or len(rid) > _MAX_REQUEST_ID or not rid.isascii() or not rid.isprintable():
+            rid = uuid.uuid4().hex.encode()
+        scope["ec_request_id"] = rid.decode()
+
+        reject: tuple[int, str, str, list[Any]] | None = None
+        generation = path in GENERATION_ENDPOINTS and scope["method"] == "POST"
+        if state.draining and path != "/metrics":
+            reject = (503, "the server is shutting down", "draining", [(b"connection", b"close")])
+        elif state.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+            auth = _header(scope, b"authorization") or b""
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, state.api_key):
+                reject = (
+                    401,
+                    "invalid or missing API key",
+                    "invalid_api_key",
+                    [(b"www-authenticate", b"Bearer")],
+                )
+        if reject is None and generation and metrics.in_flight >= state.max_in_flight:
+            reject = (503, "the server is overloaded; retry later", "overloaded", [])
+        if reject is not None:
+            status, message, code, extra = reject
+            await self._reject(send, status, message, code, rid, extra)
+            metrics.requests.inc((endpoint, str(status)))
+            return
+
+        status_holder = [500]
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_holder[0] = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+            await send(message)
+
+        if generation:
+            metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if generation:
+                metrics.in_flight -= 1
+            metrics.requests.inc((endpoint, str(status_holder[0])))

@@ -1,0 +1,165 @@
+"""Build the engine and the app from :class:`ServeOptions`, run uvicorn, drain on SIGTERM.
+
+Drain (first SIGTERM or SIGINT): the server keeps its socket open but answers
+503 to every new request (``/metrics`` excepted), lets the generation requests
+in flight finish for up to ``drain_timeout_s``, aborts those still running,
+then stops uvicorn and the engine and returns 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from ec_frontend.entrypoints.server import App, ServerConfig, build_app
+
+log = logging.getLogger("ec_frontend.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Everything ``ec-frontend serve`` was asked for."""
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    ec_transfer_config: str | None = None
+    kv_transfer_config: str | None = None
+    max_body_bytes: int = 64 * 1024 * 1024
+    log_level: str = "info"
+    mock_engine: bool = False
+    mock_token_latency_s: float = 0.0
+    access_log: bool = False
+    drain_timeout_s: float = 30.0
+
+
+class StartupError(Exception):
+    """The server cannot start as configured (bad flag values, unloadable model)."""
+
+
+def build_engine(opts: ServeOptions) -> tuple[Any, str, int]:
+    """``(engine, model_id, max_model_len)`` for the options."""
+    if opts.mock_engine:
+        from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
+
+        max_len = opts.max_model_len or 4096
+        cfg = MockEngineConfig(
+            model=opts.model or "mock",
+            max_model_len=max_len,
+            max_num_seqs=opts.max_num_seqs or 256,
+            token_latency_s=opts.mock_token_latency_s,
+        )
+        return MockEngine(cfg), cfg.model, max_len
+    from ec_frontend.entrypoints.real_engine import create_engine
+
+    return create_engine(opts)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a graceful drain in place of its immediate shutdown."""
+
+    def __init__(self, config: uvicorn.Config, core: App, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.core = core
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.core.state.draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self.core.state.draining
+            return
+        self.core.state.draining = True
+        log.info("received signal %d: draining", sig)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        metrics = self.core.metrics
+        deadline = time.monotonic() + self.drain_timeout_s
+        while metrics.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if metrics.in_flight > 0:
+            ids = self.core.serving.active_ids()
+            log.info("drain timeout: aborting %d engine requests", len(ids))
+            for rid in ids:
+                await self.core.engine.abort(rid)
+            grace = time.monotonic() + 5.0
+            while metrics.in_flight > 0 and time.monotonic() < grace:
+                await asyncio.sleep(0.05)
+        log.info("drained; shutting down")
+        self.should_exit = True
+
+
+def serve(opts: ServeOptions) -> int:
+    """Run the server until drained; the process exit code."""
+    try:
+        engine, model_id, max_len = build_engine(opts)
+    except (StartupError, ValueError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    names = opts.served_model_names or ((opts.model or model_id),)
+    processor = getattr(engine, "processor", None)
+    config = ServerConfig(
+        model_names=names,
+        max_model_len=max_len,
+        model_id=model_id,
+        api_key=opts.api_key,
+        max_body_bytes=opts.max_body_bytes,
+        max_in_flight=max(64, 16 * (opts.max_num_seqs or 256)),
+        offload_processing=not opts.mock_engine,
+        vocab_size=getattr(processor, "vocab_size", None),
+        drain_timeout_s=opts.drain_timeout_s,
+    )
+    app, core = build_app(engine, config)
+    uv_config = uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level=opts.log_level,
+        access_log=opts.access_log,
+        loop=_pick("uvloop", "asyncio"),
+        http=_pick("httptools", "h11"),
+        lifespan="off",
+        timeout_keep_alive=30,
+        server_header=False,
+    )
+    server = DrainingServer(uv_config, core, opts.drain_timeout_s)
+    log.info("serving %s on http://%s:%d", ", ".join(names), opts.host, opts.port)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if not server.started:
+        return 1
+    return 0
+
+
+def _pick(preferred: str, fallback: str) -> str:
+    try:
+        __import__(preferred)
+    except ImportError:
+        return fallback
+    return preferred
+
+
+__all__ = ["ServeOptions", "StartupError", "build_engine", "serve"]

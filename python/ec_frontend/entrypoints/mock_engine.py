@@ -1,0 +1,257 @@
+"""An engine without a model, for measuring the HTTP frontend alone (``--mock-engine``).
+
+It speaks the :class:`~ec_frontend.engine.async_engine.AsyncEngine` interface the
+server uses, with a character-level tokenizer (a token id is a Unicode code
+point). A request generates ``max_tokens`` tokens (16 when unset) by echoing
+its prompt tokens in order, or in a seeded random order when ``temperature >
+0``. Stop strings, stop token ids and logprobs behave as the real engine's do.
+Transfer params given in ``extra_args`` come back on the finished output, as a
+connector's ``request_finished`` would return them, so their path through the
+server is observable. Bookkeeping stands in for the KV blocks and encoder-cache
+references a real engine holds, so the idle state is observable on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
+
+#: Prompt characters that stand for one image in a mock chat prompt.
+IMAGE_PLACEHOLDER = "\ufffc"
+IMAGE_TOKENS = 4
+BLOCK_SIZE = 16
+DEFAULT_MAX_TOKENS = 16
+
+
+class CharTokenizer:
+    """Token id = Unicode code point; id 0 is the end-of-sequence token."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in token_ids if t > 0 or not skip_special_tokens)
+
+
+@dataclass(slots=True)
+class MockFeature:
+    mm_hash: str
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class MockInputs:
+    """The mock counterpart of ``ProcessedInputs``."""
+
+    prompt_token_ids: list[int]
+    mm_features: list[MockFeature] = field(default_factory=list)
+    prompt: str | None = None
+
+
+class MockProcessor:
+    """Flattens chat messages to ``role: text`` lines; an image becomes placeholders."""
+
+    def __init__(self) -> None:
+        self.tokenizer = CharTokenizer()
+
+    def process_chat(
+        self,
+        messages: list[dict[str, Any]],
+        media: Sequence[Any],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> MockInputs:
+        pieces: list[str] = []
+        features: list[MockFeature] = []
+        offset = 0
+        for message in messages:
+            head = f"{message['role']}: "
+            pieces.append(head)
+            offset += len(head)
+            for part in message["content"]:
+                if part["type"] == "text":
+                    pieces.append(part["text"])
+                    offset += len(part["text"])
+                else:
+                    item = media[part["media_index"]]
+                    features.append(MockFeature(item.mm_hash, offset, IMAGE_TOKENS))
+                    pieces.append(IMAGE_PLACEHOLDER * IMAGE_TOKENS)
+                    offset += IMAGE_TOKENS
+            pieces.append("\n")
+            offset += 1
+        if add_generation_prompt:
+            pieces.append("assistant: ")
+        prompt = "".join(pieces)
+        return MockInputs(self.tokenizer.encode(prompt), features, prompt)
+
+    def process_prompt(self, prompt: str | list[int]) -> MockInputs:
+        if isinstance(prompt, str):
+            return MockInputs(self.tokenizer.encode(prompt), [], prompt)
+        return MockInputs(list(prompt), [], None)
+
+    def process_generate(self, token_ids: list[int], features: dict[str, Any] | None) -> MockInputs:
+        mm: list[MockFeature] = []
+        if features:
+            for h, ph in zip(features["mm_hashes"], features["mm_placeholders"], strict=True):
+                mm.append(MockFeature(h, ph["offset"], ph["length"]))
+        return MockInputs(list(token_ids), mm, None)
+
+
+@dataclass(frozen=True, slots=True)
+class MockEngineConfig:
+    model: str = "mock"
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    token_latency_s: float = 0.0
+
+
+@dataclass
+class MockStats:
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    encoder_cache_usage: float = 0.0
+    kv_blocks_used: int = 0
+    encoder_cache_refs: int = 0
+    encoder_items_computed_total: int = 0
+    encoder_cache_hits_total: int = 0
+    ec_items_loaded_total: int = 0
+    ec_items_saved_total: int = 0
+    ec_load_fallbacks_total: int = 0
+    prompt_tokens_computed_total: int = 0
+    kv_tokens_received_total: int = 0
+    generation_tokens_total: int = 0
+
+
+def _get(params: Any, name: str, default: Any = None) -> Any:
+    value = getattr(params, name, default)
+    return default if value is None else value
+
+
+class MockEngine:
+    """Echoes tokens without a model; see the module docstring for the contract."""
+
+    KV_BLOCKS = 65536
+
+    def __init__(self, config: MockEngineConfig | None = None) -> None:
+        self.config = config or MockEngineConfig()
+        self.processor = MockProcessor()
+        self._running: dict[str, int] = {}
+        self._aborted: set[str] = set()
+        self._refs: dict[str, int] = {}
+        self._stats = MockStats()
+
+    def stats(self) -> MockStats:
+        s = self._stats
+        s.num_requests_running = len(self._running)
+        s.kv_blocks_used = sum(self._running.values())
+        s.kv_cache_usage = s.kv_blocks_used / self.KV_BLOCKS
+        s.encoder_cache_refs = sum(self._refs.values())
+        s.encoder_cache_usage = len(self._refs) / 1024
+        return s
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborted.add(request_id)
+
+    def shutdown(self) -> None:
+        self._running.clear()
+        self._refs.clear()
+
+    def _acquire(self, request_id: str, inputs: MockInputs) -> None:
+        if request_id in self._running:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self._running[request_id] = math.ceil(len(inputs.prompt_token_ids) / BLOCK_SIZE)
+        for f in inputs.mm_features:
+            if f.mm_hash in self._refs:
+                self._stats.encoder_cache_hits_total += 1
+            else:
+                self._stats.encoder_items_computed_total += 1
+            self._refs[f.mm_hash] = self._refs.get(f.mm_hash, 0) + 1
+        self._stats.prompt_tokens_computed_total += len(inputs.prompt_token_ids)
+
+    def _release(self, request_id: str, inputs: MockInputs) -> None:
+        self._running.pop(request_id, None)
+        self._aborted.discard(request_id)
+        for f in inputs.mm_features:
+            left = self._refs.get(f.mm_hash, 0) - 1
+            if left > 0:
+                self._refs[f.mm_hash] = left
+            else:
+                self._refs.pop(f.mm_hash, None)
+
+    async def add_request(
+        self, request_id: str, inputs: MockInputs, params: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield one delta per generated token; the last one has ``finished=True``."""
+        self._acquire(request_id, inputs)
+        try:
+            async for out in self._generate(request_id, inputs, params):
+                yield out
+        finally:
+            self._release(request_id, inputs)
+
+    async def _generate(
+        self, request_id: str, inputs: MockInputs, params: Any
+    ) -> AsyncIterator[RequestOutput]:
+        prompt = inputs.prompt_token_ids or [ord(" ")]
+        plen = len(inputs.prompt_token_ids)
+        limit = self.config.max_model_len - plen
+        max_tokens = min(_get(params, "max_tokens", DEFAULT_MAX_TOKENS), max(limit, 0))
+        stops: list[str] = list(_get(params, "stop", []))
+        stop_ids: set[int] = set(_get(params, "stop_token_ids", []))
+        n_logprobs = getattr(params, "logprobs", None)
+        rng = random.Random(_get(params, "seed", 0))
+        sampled = _get(params, "temperature", 1.0) > 0
+        extra = getattr(params, "extra_args", None) or {}
+        kv = extra.get("kv_transfer_params")
+        ec = extra.get("ec_transfer_params")
+        text = ""
+        delay = self.config.token_latency_s
+        for i in range(max_tokens):
+            await asyncio.sleep(delay)
+            if request_id in self._aborted:
+                yield RequestOutput(request_id, prompt, [], "", True, "abort")
+                return
+            tok = rng.choice(prompt) if sampled else prompt[i % len(prompt)]
+            piece = chr(tok)
+            finish: str | None = None
+            stop_reason: str | int | None = None
+            if tok in stop_ids:
+                finish, stop_reason, piece = "stop", tok, ""
+            else:
+                before = len(text)
+                text += piece
+                for s in stops:
+                    at = text.find(s, max(0, before - len(s) + 1))
+                    if at >= 0:
+                        finish, stop_reason = "stop", s
+                        piece = text[before:at]
+                        break
+            if finish is None and i == max_tokens - 1:
+                finish = "length"
+            self._stats.generation_tokens_total += 1
+            self._running[request_id] = math.ceil((plen + i + 1) / BLOCK_SIZE)
+            out = RequestOutput(request_id, prompt, [tok], piece, finish is not None, finish)
+            out.stop_reason = stop_reason
+            if n_logprobs is not None:
+                k = max(1, n_logprobs)
+                top = [(tok + j, -0.5 * (j + 1)) for j in range(k)]
+                out.logprobs = [TokenLogprob(tok, -0.5, 1, top)]
+            if finish is not None:
+                out.kv_transfer_params, out.ec_transfer_params = kv, ec
+                yield out
+                return
+            yield out
+        yield RequestOutput(request_id, prompt, [], "", True, "length", None, None, 0, kv, ec)

@@ -1,0 +1,260 @@
+"""Chat completions and completions bodies: non-stream JSON and SSE chunks.
+
+Shapes follow OpenAI's API as vLLM serves it, plus the transfer params of
+DESIGN.md 4.2: top-level ``kv_transfer_params`` / ``ec_transfer_params`` in a
+non-stream body (``null`` when none), and on the stream chunk that carries a
+choice's ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from ec_frontend._core import ParsedRequest
+from ec_frontend.entrypoints.context import DONE, RequestContext, sse, token_text
+from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.entrypoints.serving import Choice, Job, Serving, first_param
+
+
+def _chat_logprob_entry(tokenizer: Any, lp: Any) -> dict[str, Any]:
+    tok = token_text(tokenizer, lp.token_id)
+    return {
+        "token": tok,
+        "logprob": lp.logprob,
+        "bytes": list(tok.encode()),
+        "top_logprobs": [
+            {"token": (t := token_text(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())}
+            for tid, v in lp.top
+        ],
+    }
+
+
+def chat_logprobs(tokenizer: Any, logprobs: list[Any] | None) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    return {"content": [_chat_logprob_entry(tokenizer, lp) for lp in logprobs]}
+
+
+def completion_logprobs(
+    tokenizer: Any, logprobs: list[Any] | None, offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions logprobs object; ``offset`` is the text offset of the first."""
+    if logprobs is None:
+        return None
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for lp in logprobs:
+        tok = token_text(tokenizer, lp.token_id)
+        tokens.append(tok)
+        token_logprobs.append(lp.logprob)
+        top.append({token_text(tokenizer, tid): v for tid, v in lp.top})
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_body(ctx: RequestContext, choices: list[Choice], usage: dict[str, Any], ids: str) -> bytes:
+    """A non-stream ``chat.completion`` body."""
+    return orjson.dumps(
+        {
+            "id": ids,
+            "object": "chat.completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {
+                        "role": "assistant",
+                        "content": c.text,
+                        "refusal": None,
+                        "tool_calls": [],
+                    },
+                    "logprobs": chat_logprobs(ctx.tokenizer, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage,
+            "system_fingerprint": None,
+            "kv_transfer_params": first_param(choices, "kv_transfer_params"),
+            "ec_transfer_params": first_param(choices, "ec_transfer_params"),
+        }
+    )
+
+
+def completion_body(
+    ctx: RequestContext,
+    choices: list[Choice],
+    usage: dict[str, Any],
+    ids: str,
+    echo: bool,
+) -> bytes:
+    """A non-stream ``text_completion`` body."""
+    out = []
+    for c in choices:
+        prefix = c.prompt_text if echo and c.prompt_text is not None else ""
+        out.append(
+            {
+                "index": c.index,
+                "text": prefix + c.text,
+                "logprobs": completion_logprobs(ctx.tokenizer, c.logprobs, len(prefix)),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return orjson.dumps(
+        {
+            "id": ids,
+            "object": "text_completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": out,
+            "usage": usage,
+            "system_fingerprint": None,
+            "kv_transfer_params": first_param(choices, "kv_transfer_params"),
+            "ec_transfer_params": first_param(choices, "ec_transfer_params"),
+        }
+    )
+
+
+def stream_error(message: str) -> bytes:
+    return b"data: " + error_body(500, message, None, "engine_error") + b"\n\n"
+
+
+async def chat_stream(
+    serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
+) -> AsyncIterator[bytes]:
+    """SSE chunks of a streamed chat completion, ending with ``data: [DONE]``."""
+    usage_on = parsed.include_usage
+    base: dict[str, Any] = {
+        "id": ids,
+        "object": "chat.completion.chunk",
+        "created": ctx.created,
+        "model": ctx.model,
+    }
+
+    def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
+        obj = {**base, "choices": [choice]}
+        if extra:
+            obj.update(extra)
+        if usage_on:
+            obj["usage"] = None
+        return sse(obj)
+
+    for j in jobs:
+        yield chunk(
+            {
+                "index": j.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
+    seen: dict[int, Choice] = {}
+    async for c, out in serving.stream(jobs, ctx.started):
+        if c.error is not None:
+            yield stream_error(c.error)
+            yield DONE
+            return
+        seen[c.index] = c
+        finished = out.finished
+        if not out.text and not finished and not out.logprobs:
+            continue
+        delta = {"content": out.text} if out.text else {}
+        choice = {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs else None,
+            "finish_reason": c.finish_reason if finished else None,
+        }
+        if finished:
+            choice["stop_reason"] = c.stop_reason
+            params = {
+                "kv_transfer_params": c.kv_transfer_params,
+                "ec_transfer_params": c.ec_transfer_params,
+            }
+            yield chunk(choice, params)
+        else:
+            yield chunk(choice)
+    if usage_on:
+        yield sse({**base, "choices": [], "usage": serving.usage(list(seen.values()))})
+    yield DONE
+
+
+async def completion_stream(
+    serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
+) -> AsyncIterator[bytes]:
+    """SSE chunks of a streamed completion, ending with ``data: [DONE]``."""
+    usage_on = parsed.include_usage
+    base: dict[str, Any] = {
+        "id": ids,
+        "object": "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+    }
+
+    def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
+        obj = {**base, "choices": [choice]}
+        if extra:
+            obj.update(extra)
+        if usage_on:
+            obj["usage"] = None
+        return sse(obj)
+
+    offsets = {j.index: 0 for j in jobs}
+    if parsed.echo:
+        for j in jobs:
+            if j.prompt_text:
+                offsets[j.index] = len(j.prompt_text)
+                yield chunk(
+                    {
+                        "index": j.index,
+                        "text": j.prompt_text,
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+    seen: dict[int, Choice] = {}
+    async for c, out in serving.stream(jobs, ctx.started):
+        if c.error is not None:
+            yield stream_error(c.error)
+            yield DONE
+            return
+        seen[c.index] = c
+        finished = out.finished
+        if not out.text and not finished and not out.logprobs:
+            continue
+        logprobs = None
+        if out.logprobs:
+            logprobs = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[c.index])
+        offsets[c.index] += len(out.text)
+        choice = {
+            "index": c.index,
+            "text": out.text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason if finished else None,
+        }
+        if finished:
+            choice["stop_reason"] = c.stop_reason
+            params = {
+                "kv_transfer_params": c.kv_transfer_params,
+                "ec_transfer_params": c.ec_transfer_params,
+            }
+            yield chunk(choice, params)
+        else:
+            yield chunk(choice)
+    if usage_on:
+        yield sse({**base, "choices": [], "usage": serving.usage(list(seen.values()))})
+    yield DONE

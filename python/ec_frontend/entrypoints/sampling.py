@@ -1,0 +1,27 @@
+"""The parser's normalized sampling dict -> the engine's :class:`SamplingParams`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ec_frontend.engine.sampling_params import SamplingParams, SamplingParamsError
+from ec_frontend.entrypoints.errors import APIError
+
+
+def build_sampling_params(sampling: Mapping[str, Any], *, choice: int = 0) -> SamplingParams:
+    """Params for choice ``choice`` of a request; each choice is its own engine request.
+
+    The engine request generates one sequence (``n = 1``). With a ``seed``, choice
+    ``i`` uses ``seed + i``: reproducible, and the choices still differ.
+    Invalid values raise a 400 :class:`APIError` naming the parameter.
+    """
+    values = dict(sampling)
+    values["n"] = 1
+    seed = values.get("seed")
+    if choice and seed is not None:
+        values["seed"] = seed + choice
+    try:
+        return SamplingParams.from_dict(values)
+    except SamplingParamsError as exc:
+        raise APIError(400, exc.message, param=exc.param, code="invalid_value") from exc

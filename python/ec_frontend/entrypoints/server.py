@@ -1,0 +1,302 @@
+"""The OpenAI-compatible FastAPI app.
+
+Bodies are read raw (bounded by ``max_body_bytes``, checked on
+``Content-Length`` and again while streaming in) and parsed by
+``ec_frontend._core.parse_request``; pydantic models exist only to describe the
+API on ``/docs``. Responses are serialized with orjson. Every error, whatever
+raised it, is rendered by :func:`~ec_frontend.entrypoints.errors.error_response`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
+from ec_frontend.entrypoints import openapi_docs
+from ec_frontend.entrypoints.context import RequestContext
+from ec_frontend.entrypoints.errors import APIError, error_response
+from ec_frontend.entrypoints.generate_api import generate_body, generate_stream
+from ec_frontend.entrypoints.http_middleware import FrontMiddleware, FrontState
+from ec_frontend.entrypoints.openai_format import (
+    chat_body,
+    chat_stream,
+    completion_body,
+    completion_stream,
+)
+from ec_frontend.entrypoints.responses_api import response_body, response_stream
+from ec_frontend.entrypoints.serving import Choice, Serving, ServingConfig
+from ec_frontend.metrics import ServerMetrics, render
+
+T = TypeVar("T")
+
+#: Bodies above this size are parsed in a worker thread (the parser releases the GIL).
+_THREAD_PARSE_BYTES = 256 * 1024
+_JSON = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """HTTP-level settings of one server."""
+
+    model_names: tuple[str, ...]
+    max_model_len: int
+    model_id: str = ""
+    api_key: str | None = None
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_in_flight: int = 4096
+    offload_processing: bool = True
+    vocab_size: int | None = None
+    drain_timeout_s: float = 30.0
+
+
+def _status_of(exc: BaseException) -> APIError:
+    if isinstance(exc, StarletteHTTPException):
+        if exc.status_code == 404:
+            return APIError(404, "no such route", code="route_not_found")
+        if exc.status_code == 405:
+            return APIError(
+                405,
+                "method not allowed on this route",
+                code="method_not_allowed",
+                headers=dict(exc.headers or {}),
+            )
+        return APIError(exc.status_code, str(exc.detail), code="http_error")
+    if isinstance(exc, APIError | RequestError):
+        return exc  # type: ignore[return-value]
+    return APIError(500, "internal server error", code="internal_error")
+
+
+class App:
+    """Holds the engine, the serving core and the server state behind the routes."""
+
+    def __init__(self, engine: Any, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.state = FrontState(self.metrics, config.api_key, config.max_in_flight)
+        self.limits = Limits(max_body_bytes=config.max_body_bytes)
+        self.serving = Serving(
+            engine,
+            ServingConfig(
+                model_names=config.model_names,
+                max_model_len=config.max_model_len,
+                offload_processing=config.offload_processing,
+                vocab_size=config.vocab_size,
+            ),
+            self.metrics,
+        )
+        processor = getattr(engine, "processor", None)
+        self.tokenizer = getattr(processor, "tokenizer", None)
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- input
+
+    async def read_body(self, request: Request) -> bytes:
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            media = ctype.split(";", 1)[0].strip().lower()
+            if media != _JSON and not media.endswith("+json"):
+                raise APIError(
+                    415,
+                    f"Content-Type must be application/json, not {media or 'empty'}",
+                    code="unsupported_media_type",
+                )
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, "invalid Content-Length header", code="invalid_header")
+            if int(length) > limit:
+                raise APIError(
+                    413,
+                    f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                    code="request_too_large",
+                )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(
+                    413,
+                    f"request body exceeds the limit of {limit} bytes",
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def parse(self, request: Request, endpoint: str) -> tuple[RequestContext, ParsedRequest]:
+        body = await self.read_body(request)
+        if len(body) > _THREAD_PARSE_BYTES:
+            parsed = await asyncio.to_thread(
+                parse_request, endpoint, body, model_id=self.config.model_id, limits=self.limits
+            )
+        else:
+            parsed = parse_request(
+                endpoint, body, model_id=self.config.model_id, limits=self.limits
+            )
+        model = self.serving.check_model(parsed.model)
+        ctx = RequestContext(request.scope["ec_request_id"], model, tokenizer=self.tokenizer)
+        return ctx, parsed
+
+    # ---------------------------------------------------------------- output
+
+    @staticmethod
+    def json(body: bytes, status: int = 200) -> Response:
+        return Response(body, status_code=status, media_type=_JSON)
+
+    @staticmethod
+    def sse(gen: AsyncIterator[bytes]) -> StreamingResponse:
+        return StreamingResponse(
+            gen, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+
+    async def until_disconnect(self, request: Request, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro``; cancel it (aborting its engine requests) if the client leaves."""
+        work = asyncio.ensure_future(coro)
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+            watch.cancel()
+        if work.cancelled():
+            raise APIError(499, "client disconnected", code="client_disconnected")
+        return work.result()
+
+    @staticmethod
+    def check_choices(choices: list[Choice]) -> None:
+        for c in choices:
+            if c.error is not None:
+                raise APIError(500, f"engine error: {c.error}", code="engine_error")
+            if c.finish_reason == "abort":
+                raise APIError(503, "the request was aborted", code="aborted")
+
+    # --------------------------------------------------------------- routes
+
+    async def chat(self, request: Request) -> Response:
+        ctx, parsed = await self.parse(request, "chat")
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        ids = f"chatcmpl-{ctx.request_id}"
+        if parsed.stream:
+            return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids))
+        choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
+        self.check_choices(choices)
+        return self.json(chat_body(ctx, choices, self.serving.usage(choices), ids))
+
+    async def completions(self, request: Request) -> Response:
+        ctx, parsed = await self.parse(request, "completions")
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        ids = f"cmpl-{ctx.request_id}"
+        if parsed.stream:
+            return self.sse(completion_stream(self.serving, ctx, parsed, jobs, ids))
+        choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
+        self.check_choices(choices)
+        usage = self.serving.usage(choices)
+        return self.json(completion_body(ctx, choices, usage, ids, parsed.echo))
+
+    async def responses(self, request: Request) -> Response:
+        ctx, parsed = await self.parse(request, "responses")
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        resp_id = f"resp_{ctx.request_id}"
+        if parsed.stream:
+            return self.sse(response_stream(self.serving, ctx, parsed, jobs, resp_id))
+        choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
+        self.check_choices(choices)
+        return self.json(response_body(self.serving, ctx, parsed, choices[0], resp_id))
+
+    async def generate(self, request: Request) -> Response:
+        ctx, parsed = await self.parse(request, "generate")
+        if parsed.n != 1:
+            raise APIError(
+                400,
+                "n > 1 is not supported by /inference/v1/generate",
+                param="sampling_params.n",
+                code="invalid_value",
+            )
+        rid = parsed.request_id or ctx.request_id
+        jobs = await self.serving.make_jobs(parsed, rid)
+        with_text = bool(parsed.sampling.get("detokenize", False))
+        if parsed.stream:
+            return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid, with_text))
+        choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
+        self.check_choices(choices)
+        return self.json(generate_body(self.serving, ctx, choices[0], rid, with_text))
+
+    async def models(self, request: Request) -> Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "ec-frontend",
+                "root": self.config.model_id or name,
+                "parent": None,
+                "max_model_len": self.config.max_model_len,
+            }
+            for name in self.config.model_names
+        ]
+        return self.json(orjson.dumps({"object": "list", "data": data}))
+
+    async def health(self, request: Request) -> Response:
+        return self.json(b'{"status":"ok"}')
+
+    async def metrics_route(self, request: Request) -> Response:
+        stats = self.engine.stats() if hasattr(self.engine, "stats") else None
+        return Response(
+            render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _handle_error(request: Request, exc: Exception) -> Response:
+    return error_response(_status_of(exc))
+
+
+def build_app(engine: Any, config: ServerConfig) -> tuple[Any, App]:
+    """The ASGI app (middleware around FastAPI) and the :class:`App` behind it."""
+    core = App(engine, config)
+    api = FastAPI(
+        title="ec-frontend",
+        summary="OpenAI-compatible serving for vision-language models (E/P/D disaggregation)",
+        version="0.1.0",
+        exception_handlers={
+            Exception: _handle_error,
+            StarletteHTTPException: _handle_error,
+            APIError: _handle_error,
+            RequestError: _handle_error,
+        },
+    )
+    post = [
+        ("/v1/chat/completions", core.chat, "chat"),
+        ("/v1/completions", core.completions, "completions"),
+        ("/v1/responses", core.responses, "responses"),
+        ("/inference/v1/generate", core.generate, "generate"),
+    ]
+    for path, handler, kind in post:
+        api.add_api_route(path, handler, methods=["POST"], **openapi_docs.route_docs(kind))
+    api.add_api_route(
+        "/v1/models", core.models, methods=["GET"], **openapi_docs.route_docs("models")
+    )
+    api.add_api_route("/health", core.health, methods=["GET"], **openapi_docs.route_docs("health"))
+    api.add_api_route(
+        "/metrics", core.metrics_route, methods=["GET"], **openapi_docs.route_docs("metrics")
+    )
+    openapi_docs.install(api)
+    return FrontMiddleware(api, core.state), core

@@ -1,0 +1,380 @@
+"""From a parsed request to engine requests and back: the endpoint-independent core.
+
+:class:`Serving` turns a :class:`~ec_frontend._core.ParsedRequest` into one
+:class:`Job` per engine request (``n`` per prompt), runs them on the engine and
+accumulates each one's deltas into a :class:`Choice`. The endpoint modules only
+format. Invariants:
+
+* every engine request that did not finish is aborted when its consumer goes
+  away (client disconnect, drain, error), so the engine frees what it held;
+* engine request ids are unique among the requests in flight, whatever the
+  client sent as ``X-Request-Id``;
+* problems caused by the request (too long a prompt, an undecodable image)
+  raise :class:`~ec_frontend.entrypoints.errors.APIError` 400 before the
+  engine sees anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from ec_frontend._core import ParsedRequest
+from ec_frontend.entrypoints.errors import APIError
+from ec_frontend.entrypoints.sampling import build_sampling_params
+from ec_frontend.metrics import ServerMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """What the serving core needs to know about the deployment."""
+
+    model_names: tuple[str, ...]
+    max_model_len: int
+    #: Run input processing (tokenizer, image processor) in a worker thread.
+    offload_processing: bool = True
+    vocab_size: int | None = None
+
+
+@dataclass(slots=True)
+class Job:
+    """One engine request: choice ``index`` of prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    inputs: Any
+    params: Any
+    prompt_text: str | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    """The accumulated output of one engine request."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+    def add(self, out: Any) -> None:
+        """Merge one engine delta; a later ``None`` never erases a param."""
+        if out.token_ids:
+            self.token_ids.extend(out.token_ids)
+        if out.text:
+            self.text += out.text
+        if out.logprobs:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+        self.num_cached_tokens = getattr(out, "num_cached_tokens", 0) or self.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
+        if out.ec_transfer_params is not None:
+            self.ec_transfer_params = out.ec_transfer_params
+        if getattr(out, "error", None):
+            self.error = out.error
+
+
+def first_param(choices: list[Choice], name: str) -> dict[str, Any] | None:
+    """The first non-``None`` transfer param among ``choices`` (index order)."""
+    for c in choices:
+        value = getattr(c, name)
+        if value is not None:
+            return value
+    return None
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Serving:
+    """Runs parsed requests on an engine; shared by all endpoints."""
+
+    def __init__(self, engine: Any, config: ServingConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self._active: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- checks
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to report; 404 for a model this server does not serve."""
+        if model is None or model == "":
+            return self.config.model_names[0]
+        if model not in self.config.model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def _check_media(self, parsed: ParsedRequest) -> None:
+        for item in parsed.media:
+            if item.data is None:
+                raise APIError(
+                    400,
+                    "image URLs cannot be fetched by this server; send the image inline "
+                    "as a base64 data: URL",
+                    param=item.param,
+                    code="unsupported_media_url",
+                )
+
+    # ------------------------------------------------------------ processing
+
+    async def _process(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self.config.offload_processing:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            return fn(*args, **kwargs)
+        except APIError:
+            raise
+        except (ValueError, OSError, IndexError) as exc:
+            raise APIError(
+                400, f"could not process the request inputs: {exc}", code="invalid_input"
+            ) from exc
+
+    async def make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
+        """Process inputs and build one :class:`Job` per engine request."""
+        processor = self.engine.processor
+        endpoint = parsed.endpoint
+        self._check_media(parsed)
+        prompts: list[tuple[Any, str, str | None]] = []
+        if endpoint in ("chat", "responses"):
+            inputs = await self._process(
+                processor.process_chat,
+                parsed.messages,
+                parsed.media,
+                add_generation_prompt=parsed.add_generation_prompt,
+                chat_template_kwargs=parsed.chat_template_kwargs,
+                mm_processor_kwargs=parsed.mm_processor_kwargs,
+            )
+            prompts.append((inputs, "messages", None))
+        elif endpoint == "completions":
+            for i, prompt in enumerate(parsed.prompts or []):
+                inputs = await self._process(processor.process_prompt, prompt)
+                text = prompt if isinstance(prompt, str) else None
+                param = "prompt" if len(parsed.prompts or []) == 1 else f"prompt[{i}]"
+                prompts.append((inputs, param, text))
+        else:
+            self._check_token_ids(parsed.token_ids or [], "token_ids")
+            inputs = await self._process(
+                processor.process_generate, parsed.token_ids or [], parsed.features
+            )
+            prompts.append((inputs, "token_ids", None))
+        sampling = parsed.sampling
+        n = parsed.n
+        for inputs, param, _ in prompts:
+            self._check_length(len(inputs.prompt_token_ids), sampling.get("max_tokens"), param)
+        jobs: list[Job] = []
+        single = n * len(prompts) == 1
+        for p, (inputs, _, text) in enumerate(prompts):
+            for i in range(n):
+                rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
+                params = build_sampling_params(sampling, choice=i)
+                jobs.append(Job(p * n + i, p, rid, inputs, params, text))
+        return jobs
+
+    def active_ids(self) -> list[str]:
+        """Engine request ids in flight (the drain aborts these on timeout)."""
+        return list(self._active)
+
+    def release(self, jobs: list[Job]) -> None:
+        """Forget the ids of ``jobs`` (idempotent; :meth:`drive` does it for jobs it ran)."""
+        for j in jobs:
+            self._active.discard(j.request_id)
+
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab = self.config.vocab_size
+        if vocab is None:
+            return
+        for i, t in enumerate(token_ids):
+            if t < 0 or t >= vocab:
+                raise APIError(
+                    400,
+                    f"token id {t} is outside the vocabulary (0 to {vocab - 1})",
+                    param=f"{param}[{i}]",
+                    code="invalid_value",
+                )
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        limit = self.config.max_model_len
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
+        if prompt_len >= limit:
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens; this model's maximum context "
+                f"length is {limit} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise APIError(
+                400,
+                f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) exceeds "
+                f"this model's maximum context length of {limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def _unique_id(self, rid: str) -> str:
+        while rid in self._active:
+            rid = f"{rid}-{new_id()[:8]}"
+        self._active.add(rid)
+        return rid
+
+    # --------------------------------------------------------------- running
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cleanup(self, agen: Any, request_id: str, finished: bool) -> None:
+        try:
+            await agen.aclose()
+        finally:
+            if not finished:
+                await self.engine.abort(request_id)
+
+    async def drive(self, job: Job, started: float) -> AsyncIterator[Any]:
+        """Yield the engine's deltas for ``job``; abort it if the consumer leaves early."""
+        agen = self.engine.add_request(job.request_id, job.inputs, job.params)
+        finished = False
+        last = 0.0
+        m = self.metrics
+        try:
+            async for out in agen:
+                ntok = len(out.token_ids) if out.token_ids else 0
+                if ntok:
+                    now = time.perf_counter()
+                    if last == 0.0:
+                        m.ttft.observe(now - started)
+                    else:
+                        gap = (now - last) / ntok
+                        for _ in range(ntok):
+                            m.itl.observe(gap)
+                    last = now
+                if out.finished:
+                    finished = True
+                    m.e2e.observe(time.perf_counter() - started)
+                yield out
+                if finished:
+                    return
+        finally:
+            self._active.discard(job.request_id)
+            if not finished:
+                m.aborted.inc()
+                self._spawn(self._cleanup(agen, job.request_id, finished))
+
+    async def collect(self, jobs: list[Job], started: float) -> list[Choice]:
+        """Run all jobs to completion; the choices in index order."""
+        choices = [self._choice(j) for j in jobs]
+
+        async def run(job: Job, choice: Choice) -> None:
+            async for out in self.drive(job, started):
+                choice.add(out)
+
+        try:
+            if len(jobs) == 1:
+                await run(jobs[0], choices[0])
+            else:
+                tasks = [
+                    asyncio.ensure_future(run(j, c)) for j, c in zip(jobs, choices, strict=True)
+                ]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+        finally:
+            self.release(jobs)
+        return choices
+
+    async def stream(self, jobs: list[Job], started: float) -> AsyncIterator[tuple[Choice, Any]]:
+        """Yield ``(choice, delta)`` as deltas arrive from any job; ``choice`` already holds it."""
+        choices = [self._choice(j) for j in jobs]
+        if len(jobs) == 1:
+            try:
+                async for out in self.drive(jobs[0], started):
+                    choices[0].add(out)
+                    yield choices[0], out
+            finally:
+                self.release(jobs)
+            return
+        queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+        async def pump(k: int) -> None:
+            try:
+                async for out in self.drive(jobs[k], started):
+                    await queue.put((k, out))
+            except Exception as exc:
+                await queue.put((k, exc))
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(k)) for k in range(len(jobs))]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                k, out = item
+                if isinstance(out, BaseException):
+                    raise out
+                choices[k].add(out)
+                yield choices[k], out
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.release(jobs)
+
+    @staticmethod
+    def _choice(job: Job) -> Choice:
+        return Choice(
+            job.index,
+            job.prompt_index,
+            job.request_id,
+            list(job.inputs.prompt_token_ids),
+            job.prompt_text,
+        )
+
+    def usage(self, choices: list[Choice]) -> dict[str, Any]:
+        """OpenAI usage: each distinct prompt counted once."""
+        seen: dict[int, Choice] = {}
+        for c in choices:
+            seen.setdefault(c.prompt_index, c)
+        prompt = sum(len(c.prompt_token_ids) for c in seen.values())
+        cached = sum(c.num_cached_tokens for c in seen.values())
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
