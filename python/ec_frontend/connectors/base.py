@@ -1,0 +1,144 @@
+"""The EC connector interface: how encoder outputs move between instances.
+
+A connector has two halves, selected by :class:`ECConnectorRole`. The
+scheduler half decides which media items can be loaded instead of encoded and
+describes a step's loads in metadata; the worker half moves tensors. The
+runner wraps each step in :meth:`ECConnectorBase.bound`, so the metadata is
+bound for exactly one step and cleared even when the step fails.
+
+Encoder caches are ``dict[mm_hash, Tensor]`` of shape ``[num_tokens, hidden]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.engine.request import Request
+    from ec_frontend.engine.scheduler_output import SchedulerOutput
+
+
+class ECConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(slots=True)
+class ECLoadSpec:
+    """One item to load: its hash and expected number of rows."""
+
+    mm_hash: str
+    num_tokens: int
+    request_id: str
+
+
+@dataclass(slots=True)
+class ECConnectorMetadata:
+    """What the worker half needs for one step: the items to load."""
+
+    loads: list[ECLoadSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ECConnectorStats:
+    items_loaded: int = 0
+    items_saved: int = 0
+    load_failures: int = 0
+
+
+class ECConnectorBase(ABC):
+    """Base of all EC connectors.
+
+    Producers save the encoder outputs they compute; consumers load encoder
+    outputs computed elsewhere. ``ec_both`` does both.
+    """
+
+    def __init__(self, config: ECTransferConfig | None, role: ECConnectorRole) -> None:
+        self.config = config
+        self.role = role
+        self.stats = ECConnectorStats()
+        self._metadata: ECConnectorMetadata | None = None
+
+    @property
+    def is_producer(self) -> bool:
+        return self.config is not None and self.config.is_producer
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.config is not None and self.config.is_consumer
+
+    # ---- scheduler side -------------------------------------------------
+
+    @abstractmethod
+    def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
+        """Whether ``mm_hash`` can be loaded now. Must have no side effects.
+
+        ``request`` (optional) lets a connector look where the request's
+        ``ec_transfer_params`` point. An invalid hash is simply absent.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """The scheduler reserved cache space for item ``index``: load it this step."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        """Metadata for the step being scheduled; resets the pending loads."""
+
+    @abstractmethod
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, ec_transfer_params)`` for a finished request.
+
+        ``delay_free`` True keeps the request's encoder outputs referenced until
+        :meth:`get_finished` reports it as sent. Params are keyed by ``mm_hash``.
+        """
+
+    # ---- worker side ----------------------------------------------------
+
+    def bind_connector_metadata(self, metadata: ECConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @property
+    def metadata(self) -> ECConnectorMetadata:
+        if self._metadata is None:
+            raise RuntimeError("EC connector metadata is not bound")
+        return self._metadata
+
+    @contextmanager
+    def bound(self, metadata: ECConnectorMetadata) -> Iterator[ECConnectorBase]:
+        """Bind ``metadata`` for one step; it is cleared on exit, error or not."""
+        self.bind_connector_metadata(metadata)
+        try:
+            yield self
+        finally:
+            self.clear_connector_metadata()
+
+    @abstractmethod
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Load the bound metadata's items into ``encoder_cache``.
+
+        Returns only when every load has completed or failed: the runner gathers
+        embeddings right after. An item that cannot be loaded (missing, corrupt,
+        wrong shape) is left out of ``encoder_cache`` and counted in
+        ``stats.load_failures``; the runner then encodes it locally. Raises only
+        when the connector itself is unusable.
+        """
+
+    @abstractmethod
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        """Producer: publish ``encoder_cache[mm_hash]`` for consumers."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(done_sending, done_receiving)`` request ids since the last call."""
+        return None, None

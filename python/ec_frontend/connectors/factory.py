@@ -1,0 +1,75 @@
+"""Connector names -> classes, imported only when a connector is created.
+
+Optional transports stay unimported (and their dependencies uninstalled) until a
+configuration names them. ``register_*`` adds a name at run time, for plugins
+and tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
+from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
+from ec_frontend.engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.config import ECTransferConfig, KVTransferConfig
+
+_EC_CONNECTORS: dict[str, str] = {
+    "ECSharedStorageConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
+    "ECExampleConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
+    "NoOpECConnector": "ec_frontend.connectors.noop:NoOpECConnector",
+}
+
+_KV_CONNECTORS: dict[str, str] = {
+    "NoOpKVConnector": "ec_frontend.connectors.noop:NoOpKVConnector",
+}
+
+
+def register_ec_connector(name: str, target: str) -> None:
+    """Map ``name`` to ``"package.module:ClassName"``."""
+    _EC_CONNECTORS[name] = target
+
+
+def register_kv_connector(name: str, target: str) -> None:
+    _KV_CONNECTORS[name] = target
+
+
+def ec_connector_names() -> list[str]:
+    return sorted(_EC_CONNECTORS)
+
+
+def kv_connector_names() -> list[str]:
+    return sorted(_KV_CONNECTORS)
+
+
+def _load(registry: dict[str, str], name: str, kind: str, param: str) -> type:
+    target = registry.get(name)
+    if target is None:
+        known = ", ".join(sorted(registry))
+        raise ConfigError(f"unknown {kind} connector {name!r} (known: {known})", param)
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{kind} connector {name!r} cannot be imported: {exc}", param) from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise ConfigError(f"{kind} connector {name!r}: {target} is not a class", param)
+    return cls
+
+
+def create_ec_connector(config: ECTransferConfig, role: ECConnectorRole) -> ECConnectorBase:
+    cls = _load(_EC_CONNECTORS, config.ec_connector, "EC", "ec_connector")
+    if not issubclass(cls, ECConnectorBase):
+        raise ConfigError(f"{config.ec_connector} is not an EC connector", "ec_connector")
+    return cls(config, role)
+
+
+def create_kv_connector(config: KVTransferConfig, role: KVConnectorRole) -> KVConnectorBase:
+    cls = _load(_KV_CONNECTORS, config.kv_connector, "KV", "kv_connector")
+    if not issubclass(cls, KVConnectorBase):
+        raise ConfigError(f"{config.kv_connector} is not a KV connector", "kv_connector")
+    return cls(config, role)

@@ -1,0 +1,178 @@
+"""EC connector over a shared directory: one safetensors file per ``mm_hash``.
+
+``ec_connector_extra_config``:
+
+* ``shared_storage_path`` (required): the directory, shared by producers and consumers.
+* ``max_items`` / ``max_bytes`` (optional): bounds on the files kept; after each
+  save the oldest files (by modification time) are deleted until both hold.
+
+Files are written to a temporary name in the same directory and renamed into
+place, so a reader sees a whole file or none; concurrent writers of one hash
+each rename a complete file. Only lower-case hex hashes become file names, so no
+path leaves the directory. A file that is missing, short or corrupt is a miss:
+the runner encodes the item locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from ec_frontend._core import is_valid_mm_hash
+from ec_frontend.connectors.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECLoadSpec,
+)
+from ec_frontend.engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.engine.request import Request
+    from ec_frontend.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+TENSOR_KEY = "encoder_output"
+_TMP_PREFIX = ".tmp-"
+
+
+def _optional_positive(extra: Any, key: str) -> int | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"ec_connector_extra_config.{key} must be a positive integer", key)
+    return value
+
+
+class ECSharedStorageConnector(ECConnectorBase):
+    """Encoder outputs as files under ``shared_storage_path``."""
+
+    def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
+        super().__init__(config, role)
+        extra = config.ec_connector_extra_config
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(
+                "ec_connector_extra_config.shared_storage_path must be a directory path",
+                "shared_storage_path",
+            )
+        self.root = os.path.realpath(path)
+        self.max_items = _optional_positive(extra, "max_items")
+        self.max_bytes = _optional_positive(extra, "max_bytes")
+        if self.is_producer:
+            os.makedirs(self.root, exist_ok=True)
+        self._pending: list[ECLoadSpec] = []
+
+    def path_for(self, mm_hash: str) -> str:
+        """The file of ``mm_hash``; raises ``ValueError`` for anything but lower-case hex."""
+        if not is_valid_mm_hash(mm_hash):
+            raise ValueError(f"invalid mm_hash {mm_hash!r}: expected lower-case hex")
+        return os.path.join(self.root, mm_hash + SUFFIX)
+
+    # ---- scheduler side -------------------------------------------------
+
+    def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
+        if not is_valid_mm_hash(mm_hash):
+            return False
+        return os.path.isfile(os.path.join(self.root, mm_hash + SUFFIX))
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        feature = request.mm_features[index]
+        self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        meta = ECConnectorMetadata(loads=self._pending)
+        self._pending = []
+        return meta
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if not self.is_producer:
+            return False, None
+        params = {
+            f.mm_hash: {"num_tokens": f.length}
+            for f in request.mm_features
+            if self.has_cache_item(f.mm_hash)
+        }
+        return False, (params or None)
+
+    # ---- worker side ----------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        for spec in self.metadata.loads:
+            if spec.mm_hash in encoder_cache:
+                continue
+            tensor = self._read(spec)
+            if tensor is None:
+                self.stats.load_failures += 1
+                continue
+            encoder_cache[spec.mm_hash] = tensor
+            self.stats.items_loaded += 1
+
+    def _read(self, spec: ECLoadSpec) -> torch.Tensor | None:
+        try:
+            with open(self.path_for(spec.mm_hash), "rb") as f:
+                data = f.read()
+            tensor = load_safetensors(data).get(TENSOR_KEY)
+        except (OSError, ValueError, SafetensorError) as exc:
+            logger.warning("EC load of %s failed: %s", spec.mm_hash, exc)
+            return None
+        if tensor is None or tensor.dim() != 2 or tensor.shape[0] != spec.num_tokens:
+            logger.warning("EC file of %s has an unexpected layout", spec.mm_hash)
+            return None
+        return tensor
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        path = self.path_for(mm_hash)
+        tensor = encoder_cache[mm_hash].detach().to("cpu").contiguous()
+        data = save_safetensors({TENSOR_KEY: tensor}, metadata={"mm_hash": mm_hash})
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=_TMP_PREFIX, suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self.stats.items_saved += 1
+        if self.max_items is not None or self.max_bytes is not None:
+            self._enforce_capacity()
+
+    def _enforce_capacity(self) -> None:
+        entries: list[tuple[int, str, int]] = []
+        with os.scandir(self.root) as it:
+            for entry in it:
+                name = entry.name
+                if not name.endswith(SUFFIX) or not is_valid_mm_hash(name[: -len(SUFFIX)]):
+                    continue
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime_ns, name, st.st_size))
+        entries.sort()
+        count = len(entries)
+        total = sum(size for _, _, size in entries)
+        for _, name, size in entries:
+            over_items = self.max_items is not None and count > self.max_items
+            over_bytes = self.max_bytes is not None and total > self.max_bytes
+            if not (over_items or over_bytes):
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.root, name))
+            count -= 1
+            total -= size

@@ -1,0 +1,295 @@
+"""EngineCore: the step loop (schedule -> run the model -> update -> detokenize).
+
+The core is single-threaded; :class:`~ec_frontend.engine.async_engine.AsyncEngine`
+drives it from a background thread. Requests that cannot be served (token ids
+outside the vocabulary, a prompt too long, an image that cannot be encoded)
+finish alone with ``finish_reason="error"`` and a message; the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
+from ec_frontend.connectors.factory import create_ec_connector, create_kv_connector
+from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
+from ec_frontend.connectors.noop import NoOpECConnector
+from ec_frontend.engine.config import ConfigError, EngineConfig
+from ec_frontend.engine.detokenizer import IncrementalDetokenizer
+from ec_frontend.engine.encoder_cache import EncoderCacheManager
+from ec_frontend.engine.kv_cache import KVCacheManager, cdiv, num_blocks_for_budget
+from ec_frontend.engine.model_runner import ModelRunner
+from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput, RequestOutput
+from ec_frontend.engine.request import Request, RequestStatus
+from ec_frontend.engine.scheduler import Scheduler
+from ec_frontend.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.model.interface import VisionLanguageModel
+    from ec_frontend.model.processor import InputProcessor, ProcessedInputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer | None
+
+
+class EngineCore:
+    """Owns the scheduler, the caches, the connectors and the model runner."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: VisionLanguageModel,
+        *,
+        tokenizer: Any = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        ec_connectors: tuple[ECConnectorBase, ECConnectorBase] | None = None,
+        kv_connectors: tuple[KVConnectorBase, KVConnectorBase] | None = None,
+    ) -> None:
+        """``ec_connectors`` / ``kv_connectors`` (scheduler half, worker half) override
+        the ones the config names (tests use this to instrument a connector)."""
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.encoder_only = config.is_encoder_only
+        self.max_model_len = config.scheduler.max_model_len
+
+        ec_sched: ECConnectorBase | None = None
+        ec_worker: ECConnectorBase = NoOpECConnector(None, ECConnectorRole.WORKER)
+        if ec_connectors is not None:
+            ec_sched, ec_worker = ec_connectors
+        elif config.ec_transfer is not None:
+            ec_sched = create_ec_connector(config.ec_transfer, ECConnectorRole.SCHEDULER)
+            ec_worker = create_ec_connector(config.ec_transfer, ECConnectorRole.WORKER)
+        kv_sched: KVConnectorBase | None = None
+        kv_worker: KVConnectorBase | None = None
+        if kv_connectors is not None:
+            kv_sched, kv_worker = kv_connectors
+        elif config.kv_transfer is not None:
+            kv_sched = create_kv_connector(config.kv_transfer, KVConnectorRole.SCHEDULER)
+            kv_worker = create_kv_connector(config.kv_transfer, KVConnectorRole.WORKER)
+
+        block_size = config.cache.block_size
+        kv_cache: KVCacheManager | None = None
+        num_blocks: int | None = None
+        if not self.encoder_only:
+            num_blocks = config.cache.num_kv_blocks or num_blocks_for_budget(
+                model.kv_cache_spec(), block_size, config.cache.kv_cache_memory_bytes
+            )
+            needed = cdiv(self.max_model_len, block_size) + 1
+            if num_blocks < needed:
+                raise ConfigError(
+                    f"the KV cache holds {num_blocks} blocks of {block_size} tokens; "
+                    f"max_model_len {self.max_model_len} needs at least {needed}",
+                    "kv_cache_memory_bytes",
+                )
+            kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = kv_cache
+        self.encoder_cache = EncoderCacheManager(config.cache.encoder_cache_size)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            kv_cache=kv_cache,
+            encoder_cache=self.encoder_cache,
+            ec_connector=ec_sched,
+            kv_connector=kv_sched,
+        )
+        self.runner = ModelRunner(
+            model,
+            ec_connector=ec_worker,
+            kv_connector=kv_worker,
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+        )
+        self._states: dict[str, _RequestState] = {}
+        self._immediate: list[RequestOutput] = []
+        self.num_steps = 0
+        self.requests_finished = 0
+        self.requests_failed = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> tuple[EngineCore, InputProcessor]:
+        """Load the checkpoint ``config.model`` (or the built-in model) and build a core."""
+        from ec_frontend.model.builtin import ensure_builtin_checkpoint
+        from ec_frontend.model.loader import load_model, load_processor
+
+        path = config.model if config.model is not None else ensure_builtin_checkpoint()
+        model = load_model(
+            path,
+            device=config.device,
+            dtype=config.dtype,
+            load_vision=config.load_vision,
+            load_language=not config.is_encoder_only,
+        )
+        processor = load_processor(path, model_id=config.model_id)
+        eos = _generation_eos(path) or processor.eos_token_id
+        core = cls(config, model, tokenizer=processor.tokenizer, eos_token_id=eos)
+        return core, processor
+
+    # ---- requests -----------------------------------------------------------
+
+    def add_request(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams) -> None:
+        """Queue a request. Unservable input finishes it with an error output
+        (returned by the next :meth:`step`); a duplicate id raises ``ValueError``."""
+        if request_id in self._states or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request.from_inputs(request_id, inputs, params, eos_token_id=self.eos_token_id)
+        error = self._validate(request)
+        if error is not None:
+            self.requests_failed += 1
+            self._immediate.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    finished=True,
+                    finish_reason="error",
+                    error=error,
+                )
+            )
+            return
+        detok = None
+        if self.tokenizer is not None and not self.encoder_only:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        self._states[request_id] = _RequestState(request.prompt_token_ids, detok)
+        self.scheduler.add_request(request)
+
+    def _validate(self, request: Request) -> str | None:
+        vocab = self.model.vocab_size
+        ids = request.prompt_token_ids
+        if not ids:
+            return "the prompt is empty"
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < vocab), None)  # fmt: skip
+        if bad is not None:
+            return f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})"
+        limit = self.max_model_len if self.encoder_only else self.max_model_len - 1
+        if len(ids) > limit:
+            return (
+                f"the prompt has {len(ids)} tokens; this instance allows at most {limit} "
+                f"(max_model_len {self.max_model_len})"
+            )
+        end = 0
+        for feature in request.mm_features:
+            if feature.offset < end or feature.offset + feature.length > len(ids):
+                return f"media item {feature.mm_hash} has an invalid placeholder range"
+            if feature.length > self.encoder_cache.cache_size:
+                return (
+                    f"media item {feature.mm_hash} needs {feature.length} encoder cache rows; "
+                    f"the cache holds {self.encoder_cache.cache_size}"
+                )
+            end = feature.offset + feature.length
+        return None
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for co in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+            self._immediate.append(self._to_request_output(co))
+
+    def has_work(self) -> bool:
+        return bool(self._immediate) or self.scheduler.has_pending_work()
+
+    # ---- the step -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._immediate = self._immediate, []
+        if not self.scheduler.has_pending_work():
+            return outputs
+        so = self.scheduler.schedule()
+        try:
+            ro = self.runner.execute(so)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            ro = ModelRunnerOutput(
+                failed={s.request_id: f"engine step failed: {exc}" for s in so.scheduled}
+            )
+        self.num_steps += 1
+        for co in self.scheduler.update_from_output(so, ro):
+            outputs.append(self._to_request_output(co))
+        return outputs
+
+    def _to_request_output(self, co: EngineCoreOutput) -> RequestOutput:
+        state = self._states.get(co.request_id)
+        text = ""
+        if state is not None and state.detokenizer is not None:
+            stop = state.detokenizer.update(co.new_token_ids)
+            if stop is not None:
+                if not co.finished:
+                    for final in self.scheduler.finish_requests(
+                        co.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop
+                    ):
+                        co.kv_transfer_params = final.kv_transfer_params
+                        co.ec_transfer_params = final.ec_transfer_params
+                co.finish_reason = "stop"
+                co.stop_reason = stop
+            text = state.detokenizer.take_delta(co.finished)
+        if co.finished:
+            self._states.pop(co.request_id, None)
+            if co.finish_reason == "error":
+                self.requests_failed += 1
+            else:
+                self.requests_finished += 1
+        return RequestOutput(
+            request_id=co.request_id,
+            prompt_token_ids=state.prompt_token_ids if state is not None else None,
+            token_ids=list(co.new_token_ids),
+            text=text,
+            finished=co.finished,
+            finish_reason=co.finish_reason,
+            stop_reason=co.stop_reason,
+            logprobs=co.new_logprobs,
+            num_cached_tokens=co.num_cached_tokens,
+            kv_transfer_params=co.kv_transfer_params,
+            ec_transfer_params=co.ec_transfer_params,
+            error=co.error,
+        )
+
+    # ---- observability ------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sc = self.scheduler.counters
+        rc = self.runner.counters
+        return EngineStats(
+            encoder_items_computed=rc.encoder_items_computed,
+            encoder_cache_hits=self.encoder_cache.num_hits,
+            ec_items_loaded=rc.ec_items_loaded,
+            ec_items_saved=rc.ec_items_saved,
+            ec_load_fallbacks=rc.ec_load_fallbacks,
+            prompt_tokens_computed=sc.prompt_tokens_computed,
+            kv_tokens_received=sc.kv_tokens_received,
+            generation_tokens=sc.generation_tokens,
+            num_preemptions=sc.num_preemptions,
+            num_steps=self.num_steps,
+            lm_forward_calls=rc.lm_forward_calls,
+            encoder_forward_calls=rc.encoder_forward_calls,
+            requests_finished=self.requests_finished,
+            requests_failed=self.requests_failed,
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage if self.kv_cache is not None else 0.0,
+            encoder_cache_usage=self.encoder_cache.usage,
+        )
+
+
+def _generation_eos(path: object) -> list[int] | None:
+    """EOS ids from the checkpoint's ``generation_config.json``, if it names any."""
+    file = Path(str(path)) / "generation_config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    eos = data.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return [eos]
+    if isinstance(eos, list) and all(isinstance(e, int) for e in eos):
+        return list(eos) or None
+    return None

@@ -1,0 +1,88 @@
+"""Incremental detokenization and stop strings.
+
+Text is produced with the Hugging Face tokenizer's ``decode`` over a short
+window (prefix/read offsets), so each token costs a constant amount of work and
+multi-byte characters split across tokens are only emitted once complete. A
+stop string ends the request; the text is cut before it (or after it with
+``include_stop_str_in_output``). While a request runs, the last
+``len(longest stop) - 1`` characters are held back, so a stream never emits
+the start of a stop string that later completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ec_frontend.engine.sampling_params import SamplingParams
+
+#: Prompt tokens decoded as left context for the first output tokens.
+_PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """Per-request text state. ``tokenizer`` is any object with HF-style ``decode``."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+        self._emitted = 0
+        self._stopped = False
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append tokens; returns the stop string that matched, if any.
+
+        After a match, later calls add nothing.
+        """
+        for token in new_token_ids:
+            if self._stopped:
+                return None
+            self._ids.append(token)
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                continue
+            checked = len(self.text)
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            stop = self._find_stop(checked)
+            if stop is not None:
+                self._stopped = True
+                return stop
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet emitted; holds back a possible stop-string prefix unless finished."""
+        end = len(self.text)
+        if not finished and not self._stopped and self._holdback:
+            end = max(self._emitted, end - self._holdback)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _find_stop(self, checked: int) -> str | None:
+        if not self.params.stop:
+            return None
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            index = self.text.find(stop, max(0, checked - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        cut = index + len(stop) if self.params.include_stop_str_in_output else index
+        self.text = self.text[:cut]
+        self._emitted = min(self._emitted, cut)
+        return stop
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.params.skip_special_tokens)

@@ -1,0 +1,352 @@
+"""One engine step on the model: EC loads, batched encode, batched LM forward, sampling.
+
+Per step, with the EC connector bound to the step's metadata:
+
+1. load the scheduled external encoder outputs; ``start_load_caches`` returns
+   only once they are complete, so nothing is gathered from a half-loaded item;
+2. encode, in one vision-tower call, every needed item not already in the
+   encoder cache (including loads that failed: the local fallback); a producer
+   saves each new output;
+3. run one language-model forward over all scheduled tokens of all requests
+   (prefill chunks and decodes together), with image placeholder embeddings
+   replaced by encoder outputs and M-RoPE positions from the processor;
+4. sample the requests whose step reaches their last token;
+5. collect finished transfers; the metadata is cleared even on error.
+
+Failures stay with their requests: an image that cannot be encoded fails the
+requests that need it; an error in the forward fails the requests of that
+forward. Neither stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
+from ec_frontend.engine.outputs import ModelRunnerOutput
+from ec_frontend.engine.sampler import Sampler, SamplingRow, make_generator
+from ec_frontend.model.interface import AttentionMetadata, VisionLanguageModel
+
+if TYPE_CHECKING:
+    from ec_frontend.connectors.kv_base import KVConnectorBase
+    from ec_frontend.engine.request import Request
+    from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from ec_frontend.model.processor import MultiModalFeature
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerCounters:
+    encoder_items_computed: int = 0
+    encoder_forward_calls: int = 0
+    ec_items_loaded: int = 0
+    ec_items_saved: int = 0
+    ec_load_fallbacks: int = 0
+    lm_forward_calls: int = 0
+    lm_tokens: int = 0
+    lm_requests: int = 0
+    max_requests_per_forward: int = 0
+
+
+@dataclass(slots=True)
+class _EncodeJob:
+    mm_hash: str
+    feature: MultiModalFeature
+    request_ids: list[str]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the encoder outputs of one instance.
+
+    ``num_kv_blocks`` is ``None`` for an encoder-only instance: no KV cache is
+    allocated and the language model is never called.
+    """
+
+    def __init__(
+        self,
+        model: VisionLanguageModel,
+        *,
+        ec_connector: ECConnectorBase,
+        kv_connector: KVConnectorBase | None = None,
+        num_kv_blocks: int | None,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.ec_connector = ec_connector
+        self.kv_connector = kv_connector
+        self.block_size = block_size
+        self.encoder_only = num_kv_blocks is None
+        self.kv_caches: list[torch.Tensor] = []
+        if num_kv_blocks is not None:
+            spec = model.kv_cache_spec()
+            shape = (2, num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            self.kv_caches = [
+                torch.zeros(shape, dtype=spec.dtype, device=model.device)
+                for _ in range(spec.num_layers)
+            ]
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.sampler = Sampler()
+        self.counters = RunnerCounters()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        for rid in so.finished_req_ids:
+            self._generators.pop(rid, None)
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        meta = so.ec_connector_metadata or ECConnectorMetadata()
+        with self.ec_connector.bound(meta):
+            try:
+                self._prepare_encoder_outputs(so, meta, out)
+                if not self.encoder_only:
+                    self._run_language_model(so, out)
+            finally:
+                sending, recving = self.ec_connector.get_finished(so.finished_req_ids)
+        out.ec_finished_sending, out.ec_finished_recving = sending, recving
+        if self.kv_connector is not None:
+            kv_sending, kv_recving = self.kv_connector.get_finished(so.finished_req_ids)
+            out.kv_finished_sending, out.kv_finished_recving = kv_sending, kv_recving
+        return out
+
+    # ---- encoder outputs ------------------------------------------------
+
+    def _prepare_encoder_outputs(
+        self, so: SchedulerOutput, meta: ECConnectorMetadata, out: ModelRunnerOutput
+    ) -> None:
+        requested = {spec.mm_hash for spec in meta.loads if spec.mm_hash not in self.encoder_cache}
+        if requested:
+            try:
+                self.ec_connector.start_load_caches(self.encoder_cache)
+            except Exception:
+                logger.exception("EC connector load failed; encoding locally")
+            for mm_hash in requested:
+                if mm_hash in self.encoder_cache and self._accept_loaded(mm_hash):
+                    self.counters.ec_items_loaded += 1
+
+        jobs: dict[str, _EncodeJob] = {}
+        for item in so.scheduled:
+            for feature in self._needed_features(item):
+                if feature.mm_hash in self.encoder_cache:
+                    continue
+                job = jobs.get(feature.mm_hash)
+                if job is None:
+                    jobs[feature.mm_hash] = _EncodeJob(feature.mm_hash, feature, [item.request_id])
+                elif item.request_id not in job.request_ids:
+                    job.request_ids.append(item.request_id)
+        if not jobs:
+            return
+        self.counters.ec_load_fallbacks += sum(1 for h in jobs if h in requested)
+        runnable: list[_EncodeJob] = []
+        for job in jobs.values():
+            if job.feature.pixel_values is None:
+                self._fail_job(
+                    job,
+                    "its encoder output could not be loaded and it has no "
+                    "pixel values to encode locally",
+                    out,
+                )
+            else:
+                runnable.append(job)
+        for job, result in self._encode(runnable):
+            if isinstance(result, Exception):
+                self._fail_job(job, f"could not be encoded: {result}", out)
+                continue
+            self.encoder_cache[job.mm_hash] = result
+            self.counters.encoder_items_computed += 1
+            if self.ec_connector.is_producer:
+                try:
+                    self.ec_connector.save_caches(self.encoder_cache, job.mm_hash)
+                    self.counters.ec_items_saved += 1
+                except Exception as exc:
+                    logger.warning("EC save of %s failed: %s", job.mm_hash, exc)
+
+    def _accept_loaded(self, mm_hash: str) -> bool:
+        tensor = self.encoder_cache[mm_hash]
+        if tensor.dim() != 2 or tensor.shape[1] != self.model.hidden_size:
+            logger.warning("loaded encoder output %s has shape %s", mm_hash, tuple(tensor.shape))
+            del self.encoder_cache[mm_hash]
+            return False
+        self.encoder_cache[mm_hash] = tensor.to(device=self.model.device, dtype=self.model.dtype)
+        return True
+
+    def _needed_features(self, item: ScheduledRequest) -> list[MultiModalFeature]:
+        start = item.num_computed_tokens
+        end = start + item.num_scheduled_tokens
+        return [
+            f for f in item.request.mm_features if f.offset < end and f.offset + f.length > start
+        ]
+
+    def _encode(self, jobs: list[_EncodeJob]) -> list[tuple[_EncodeJob, torch.Tensor | Exception]]:
+        """All jobs in one vision-tower call; on failure, one call per job to isolate it."""
+        if not jobs:
+            return []
+        try:
+            return list(zip(jobs, self._encode_batch(jobs), strict=True))
+        except Exception as exc:
+            if len(jobs) == 1:
+                return [(jobs[0], exc)]
+        results: list[tuple[_EncodeJob, torch.Tensor | Exception]] = []
+        for job in jobs:
+            try:
+                results.append((job, self._encode_batch([job])[0]))
+            except Exception as exc:
+                results.append((job, exc))
+        return results
+
+    def _encode_batch(self, jobs: list[_EncodeJob]) -> list[torch.Tensor]:
+        self.counters.encoder_forward_calls += 1
+        pixels = torch.cat([job.feature.pixel_values for job in jobs])
+        grid = torch.tensor([list(job.feature.image_grid_thw) for job in jobs], dtype=torch.int64)
+        outputs = self.model.encode_images(pixels, grid)
+        if len(outputs) != len(jobs):
+            raise ValueError(f"vision tower returned {len(outputs)} outputs for {len(jobs)} images")
+        for job, tensor in zip(jobs, outputs, strict=True):
+            if tensor.shape[0] != job.feature.length:
+                raise ValueError(
+                    f"image {job.mm_hash} gives {tensor.shape[0]} embeddings for "
+                    f"{job.feature.length} placeholder tokens"
+                )
+        return list(outputs)
+
+    def _fail_job(self, job: _EncodeJob, reason: str, out: ModelRunnerOutput) -> None:
+        out.failed_mm_hashes.add(job.mm_hash)
+        for rid in job.request_ids:
+            out.failed.setdefault(rid, f"media item {job.mm_hash} {reason}")
+
+    # ---- language model -------------------------------------------------
+
+    def _run_language_model(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        batch = [
+            s for s in so.scheduled if s.num_scheduled_tokens > 0 and s.request_id not in out.failed
+        ]
+        kv = self.kv_connector
+        if kv is not None and so.kv_connector_metadata is not None:
+            kv.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            if kv is not None:
+                kv.start_load_kv(self.kv_caches)
+                kv.wait_for_load()
+            if not batch:
+                return
+            try:
+                self._forward_and_sample(batch, out)
+            except Exception as exc:
+                logger.exception("language-model step failed")
+                for item in batch:
+                    out.failed.setdefault(item.request_id, f"model step failed: {exc}")
+                return
+            if kv is not None:
+                kv.save_kv(self.kv_caches)
+        finally:
+            if kv is not None:
+                kv.clear_connector_metadata()
+
+    def _forward_and_sample(self, batch: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        model = self.model
+        device = model.device
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in batch)
+        tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
+        for i, item in enumerate(batch):
+            request = item.request
+            start = item.num_computed_tokens
+            end = start + item.num_scheduled_tokens
+            input_ids.extend(request.token_ids_range(start, end))
+            positions.append(_positions(request, start, end))
+            table = torch.tensor(item.block_ids, dtype=torch.int64)
+            tables[i, : len(item.block_ids)] = table
+            index = torch.arange(start, end, dtype=torch.int64)
+            slots.append(table[index // bs] * bs + index % bs)
+            query_lens.append(end - start)
+            seq_lens.append(end)
+
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_lens=torch.tensor(query_lens, dtype=torch.int64, device=device),
+            block_tables=tables.to(device),
+            slot_mapping=torch.cat(slots).to(device),
+            block_size=bs,
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        embeds = model.embed_tokens(ids)
+        for i, item in enumerate(batch):
+            self._scatter_encoder_outputs(embeds, item, query_start[i])
+        hidden = model.forward(embeds, torch.cat(positions, dim=1).to(device), self.kv_caches, meta)
+        self.counters.lm_forward_calls += 1
+        self.counters.lm_tokens += len(input_ids)
+        self.counters.lm_requests += len(batch)
+        self.counters.max_requests_per_forward = max(
+            self.counters.max_requests_per_forward, len(batch)
+        )
+
+        sampling = [i for i, item in enumerate(batch) if item.sample]
+        if not sampling:
+            return
+        rows_idx = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=device)
+        logits = model.compute_logits(hidden[rows_idx])
+        rows = [self._sampling_row(batch[i]) for i in sampling]
+        tokens, logprobs = self.sampler(logits, rows)
+        for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
+            rid = batch[i].request_id
+            out.sampled_token_ids[rid] = [token]
+            if lp is not None:
+                out.logprobs[rid] = [lp]
+
+    def _scatter_encoder_outputs(
+        self, embeds: torch.Tensor, item: ScheduledRequest, row0: int
+    ) -> None:
+        start = item.num_computed_tokens
+        end = start + item.num_scheduled_tokens
+        for feature in self._needed_features(item):
+            lo = max(feature.offset, start)
+            hi = min(feature.offset + feature.length, end)
+            encoded = self.encoder_cache[feature.mm_hash]
+            embeds[row0 + lo - start : row0 + hi - start] = encoded[
+                lo - feature.offset : hi - feature.offset
+            ].to(embeds.dtype)
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        request = item.request
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = make_generator(params.seed, self.model.device)
+                self._generators[request.request_id] = generator
+        return SamplingRow(params, generator, request.prompt_token_ids, request.output_token_ids)
+
+
+def _positions(request: Request, start: int, end: int) -> torch.Tensor:
+    """``[3, end - start]`` M-RoPE positions of tokens ``[start, end)``.
+
+    Prompt tokens take the processor's positions; later tokens ``i`` take
+    ``i + mrope_position_delta`` on all three components.
+    """
+    prompt_len = request.num_prompt_tokens
+    delta = request.mrope_position_delta
+    table = request.mrope_positions
+    parts = []
+    split = min(max(start, prompt_len), end) if table is not None else start
+    if table is not None and start < split:
+        parts.append(table[:, start:split].to(torch.int64))
+    if split < end:
+        parts.append(torch.arange(split, end, dtype=torch.int64).add_(delta).expand(3, -1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

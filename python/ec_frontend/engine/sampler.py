@@ -1,0 +1,135 @@
+"""Token selection for a batch of rows, each with its own sampling params.
+
+Order of operations per row: penalties (repetition, frequency, presence), then
+greedy argmax, or temperature, top-k, top-p and min-p followed by a draw. A row
+with a ``seed`` draws from its own ``torch.Generator``, so its output does not
+depend on its neighbours in the batch. Logprobs are those of the model's raw
+distribution (before penalties and temperature), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ec_frontend.engine.outputs import TokenLogprob
+from ec_frontend.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the batch: its params, generator and token history."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Stateless; call it with ``[N, V]`` logits and ``N`` rows."""
+
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        if not rows:
+            return [], []
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        if any(r.params.has_penalties for r in rows):
+            logits = logits.clone()
+            for i, row in enumerate(rows):
+                if row.params.has_penalties:
+                    _apply_penalties(logits[i], row)
+
+        greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
+        chosen = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, rows)
+            chosen = torch.where(greedy, chosen, sampled)
+        token_ids = chosen.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            for i, row in enumerate(rows):
+                if want_logprobs[i]:
+                    logprobs[i] = _token_logprob(raw_logprobs[i], token_ids[i], row.params)
+        return token_ids, logprobs
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[-1]
+        temps = torch.tensor(
+            [1.0 if r.params.is_greedy else r.params.temperature for r in rows], device=device
+        )
+        logits = logits / temps[:, None]
+
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs
+            drop |= before > torch.tensor(top_p, device=device)[:, None]
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+
+        noise = torch.empty_like(probs).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    params = row.params
+    vocab = logits.shape[-1]
+    device = logits.device
+    output = torch.tensor(list(row.output_token_ids), dtype=torch.int64, device=device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen_ids = torch.tensor(
+            list(row.prompt_token_ids) + list(row.output_token_ids),
+            dtype=torch.int64,
+            device=device,
+        )
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[seen_ids[seen_ids < vocab]] = True
+        penalized = torch.where(
+            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
+        )
+        logits.copy_(torch.where(seen, penalized, logits))
+    logits -= params.frequency_penalty * counts
+    logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _token_logprob(logprobs: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob:
+    value = logprobs[token_id]
+    rank = int((logprobs > value).sum()) + 1
+    top: list[tuple[int, float]] = []
+    k = min(params.logprobs or 0, logprobs.shape[-1])
+    if k > 0:
+        values, ids = logprobs.topk(k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(value), rank=rank, top=top)

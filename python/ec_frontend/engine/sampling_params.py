@@ -1,0 +1,133 @@
+"""Sampling parameters of one request.
+
+Built from the native parser's normalized ``sampling`` dict (see
+``ParsedRequest.sampling`` in ``_core.pyi``). ``extra_args`` carries the merged
+``vllm_xargs``, including ``kv_transfer_params`` / ``ec_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+#: Temperatures below this are treated as greedy.
+GREEDY_EPSILON = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters; ``param`` names the field (maps to HTTP 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``max_tokens=None`` generates up to the model length. ``top_k <= 0`` and
+    ``top_p == 1`` disable those filters. ``logprobs`` is the number of top
+    alternatives returned per sampled token (``None``: no logprobs).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, sampling: Mapping[str, Any]) -> SamplingParams:
+        """Build from a normalized dict; ``None`` values take the defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(sampling) - known)
+        if unknown:
+            raise SamplingParamsError(f"unknown sampling parameter {unknown[0]!r}", unknown[0])
+        kwargs: dict[str, Any] = {}
+        for key, value in sampling.items():
+            if value is None and key not in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+                continue
+            if key in ("stop", "stop_token_ids") and value is not None:
+                value = list(value)
+            if key == "extra_args" and value is not None:
+                if not isinstance(value, Mapping):
+                    raise SamplingParamsError("extra_args must be an object", "extra_args")
+                value = dict(value)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`SamplingParamsError` for values no sampler can honour."""
+        _check_int(self.max_tokens, "max_tokens", minimum=1, optional=True)
+        _check_float(self.temperature, "temperature", 0.0, None)
+        _check_float(self.top_p, "top_p", 0.0, 1.0)
+        if self.top_p <= 0.0:
+            raise SamplingParamsError("top_p must be in (0, 1]", "top_p")
+        _check_int(self.top_k, "top_k", minimum=-1)
+        _check_float(self.min_p, "min_p", 0.0, 1.0)
+        _check_int(self.seed, "seed", minimum=None, optional=True)
+        _check_int(self.n, "n", minimum=1)
+        _check_float(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        _check_float(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        _check_float(self.repetition_penalty, "repetition_penalty", 0.0, None)
+        if self.repetition_penalty <= 0.0:
+            raise SamplingParamsError("repetition_penalty must be > 0", "repetition_penalty")
+        _check_int(self.logprobs, "logprobs", minimum=0, optional=True)
+        _check_int(self.prompt_logprobs, "prompt_logprobs", minimum=0, optional=True)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop must be a list of strings", "stop")
+        if any(s == "" for s in self.stop):
+            raise SamplingParamsError("stop strings must not be empty", "stop")
+        for i, tok in enumerate(self.stop_token_ids):
+            _check_int(tok, f"stop_token_ids[{i}]", minimum=0)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise SamplingParamsError("extra_args must be an object", "extra_args")
+
+
+def _check_int(value: object, param: str, *, minimum: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(f"{param} must be an integer", param)
+    if minimum is not None and value < minimum:
+        raise SamplingParamsError(f"{param} must be >= {minimum}", param)
+
+
+def _check_float(value: object, param: str, low: float, high: float | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SamplingParamsError(f"{param} must be a finite number", param)
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise SamplingParamsError(f"{param} must be in {bound}", param)

@@ -1,0 +1,495 @@
+"""Continuous batching with chunked prefill, an encoder budget and preemption.
+
+Each step, running requests are scheduled first (decodes and unfinished
+prefill chunks), then waiting ones, within a token budget, an encoder compute
+budget and ``max_num_seqs``. Every request is "``num_computed_tokens`` of
+``num_tokens``": prefill and decode are the same loop. Media items are served
+in this order (DESIGN 3): a hit in the encoder cache, else a load through the
+EC connector, else a local encode. When the KV cache is full the
+lowest-priority running request is preempted (its KV freed, recomputed later);
+nothing crashes.
+
+The scheduler does bookkeeping only: ids, counts, block ids, hashes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from ec_frontend.engine.request import Request, RequestStatus
+from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ec_frontend.connectors.base import ECConnectorBase
+    from ec_frontend.connectors.kv_base import KVConnectorBase
+    from ec_frontend.engine.config import SchedulerConfig
+    from ec_frontend.engine.encoder_cache import EncoderCacheManager
+    from ec_frontend.engine.kv_cache import KVCacheManager
+
+__all__ = ["Scheduler", "SchedulerCounters", "SchedulerOutput"]
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    prompt_tokens_computed: int = 0
+    kv_tokens_received: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class _EncoderPlan:
+    encode: list[int]
+    load: list[int]
+    num_new_tokens: int
+    encoder_budget: int
+    error: str | None = None
+
+
+class Scheduler:
+    """Decides what each step computes and tracks requests until they are freed.
+
+    ``kv_cache`` is ``None`` on an encoder-only instance: there a request's
+    prompt is passed over (no language model), its media are encoded, and it
+    finishes once every item is encoded and saved.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        kv_cache: KVCacheManager | None,
+        encoder_cache: EncoderCacheManager,
+        ec_connector: ECConnectorBase | None = None,
+        kv_connector: KVConnectorBase | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.encoder_cache = encoder_cache
+        self.ec_connector = ec_connector
+        self.kv_connector = kv_connector
+        self.encoder_only = kv_cache is None
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._remote_kv: dict[str, tuple[Request, int]] = {}
+        self._kv_delayed: dict[str, Request] = {}
+        self._ec_delayed: dict[str, Request] = {}
+        self._finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.counters = SchedulerCounters()
+
+    # ---- requests in and out ------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish_requests(
+        self,
+        request_ids: str | list[str],
+        status: RequestStatus,
+        *,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+    ) -> list[EngineCoreOutput]:
+        """End live requests (abort, stop string, error); returns their final outputs."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        outputs = []
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._remote_kv.pop(rid, None)
+            request.status = status
+            request.stop_reason = stop_reason
+            request.error = error
+            outputs.append(self._final_output(request, []))
+        return outputs
+
+    def _final_output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+        kv_params, ec_params = self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_transfer_params=kv_params,
+            ec_transfer_params=ec_params,
+            error=request.error,
+        )
+
+    def _free_request(
+        self, request: Request
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Ask the connectors for the request's transfer params, then free what they allow.
+
+        Returns ``(kv_transfer_params, ec_transfer_params)``; ``None`` for an
+        absent connector. A connector that asks to delay freeing keeps the KV
+        blocks (or encoder references) until it reports the request sent.
+        """
+        rid = request.request_id
+        kv_delay, kv_params = False, None
+        if self.kv_connector is not None:
+            blocks = list(self.kv_cache.block_table(rid)) if self.kv_cache is not None else []
+            kv_delay, kv_params = self.kv_connector.request_finished(request, blocks)
+        ec_delay, ec_params = False, None
+        if self.ec_connector is not None:
+            ec_delay, ec_params = self.ec_connector.request_finished(request)
+
+        if kv_delay:
+            self._kv_delayed[rid] = request
+        elif self.kv_cache is not None:
+            self.kv_cache.free(rid)
+        if ec_delay:
+            self._ec_delayed[rid] = request
+        else:
+            self.encoder_cache.free(request)
+        if not kv_delay and not ec_delay:
+            self._release(request)
+        return kv_params, ec_params
+
+    def _release(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        self._finished_req_ids.add(request.request_id)
+
+    def _fail(self, request: Request, message: str) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        self._pending_outputs.append(self._final_output(request, []))
+
+    # ---- scheduling ---------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        token_budget = sys.maxsize if self.encoder_only else cfg.max_num_batched_tokens
+        encoder_budget = cfg.encoder_budget
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            plan = self._plan_encoder_inputs(
+                request, request.num_computed_tokens, num_new, encoder_budget
+            )
+            if plan.error is not None:
+                self._fail(request, plan.error)
+                continue
+            if plan.num_new_tokens == 0:
+                index += 1
+                continue
+            blocks_ok = True
+            while not self._allocate(request, request.num_computed_tokens + plan.num_new_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    blocks_ok = False
+                    break
+            if not blocks_ok:
+                break
+            self._commit_encoder_plan(request, plan)
+            encoder_budget = plan.encoder_budget
+            token_budget -= plan.num_new_tokens
+            scheduled.append(self._scheduled(request, plan, is_new=False))
+            index += 1
+
+        if not preempted:
+            self._schedule_waiting(scheduled, token_budget, encoder_budget)
+
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_scheduled_tokens
+
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=sum(s.num_scheduled_tokens for s in scheduled),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+            free_encoder_mm_hashes=self.encoder_cache.take_freed_mm_hashes(),
+        )
+        self._finished_req_ids = set()
+        if self.ec_connector is not None:
+            out.ec_connector_metadata = self.ec_connector.build_connector_meta(out)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        return out
+
+    def _schedule_waiting(
+        self, scheduled: list[ScheduledRequest], token_budget: int, encoder_budget: int
+    ) -> None:
+        cfg = self.config
+        while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            num_external = 0
+            load_async = False
+            if self.kv_connector is not None and request.num_computed_tokens == 0:
+                num_external, load_async = self.kv_connector.get_num_new_matched_tokens(
+                    request, request.num_computed_tokens
+                )
+                num_external = max(0, min(num_external, request.num_tokens - 1))
+            if load_async and num_external > 0:
+                if not self._allocate(request, num_external):
+                    break
+                self._kv_after_alloc(request, num_external)
+                self.waiting.popleft()
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self._remote_kv[request.request_id] = (request, num_external)
+                continue
+            start = request.num_computed_tokens + num_external
+            num_new = request.num_tokens - start
+            if not cfg.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            plan = self._plan_encoder_inputs(request, start, num_new, encoder_budget)
+            if plan.error is not None:
+                self._fail(request, plan.error)
+                continue
+            if plan.num_new_tokens == 0:
+                break
+            if not self._allocate(request, start + plan.num_new_tokens):
+                break
+            self.waiting.popleft()
+            if self.kv_connector is not None:
+                self._kv_after_alloc(request, num_external)
+            if num_external:
+                request.num_computed_tokens = start
+                request.num_cached_tokens = num_external
+                self.counters.kv_tokens_received += num_external
+            self._commit_encoder_plan(request, plan)
+            encoder_budget = plan.encoder_budget
+            token_budget -= plan.num_new_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, plan, is_new=True))
+
+    def _scheduled(self, request: Request, plan: _EncoderPlan, *, is_new: bool) -> ScheduledRequest:
+        end = request.num_computed_tokens + plan.num_new_tokens
+        blocks = list(self.kv_cache.block_table(request.request_id)) if self.kv_cache else []
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=plan.num_new_tokens,
+            block_ids=blocks,
+            encoder_inputs=plan.encode,
+            ec_loads=plan.load,
+            sample=not self.encoder_only and end >= request.num_tokens,
+            is_new=is_new,
+        )
+
+    def _allocate(self, request: Request, num_tokens: int) -> bool:
+        if self.kv_cache is None:
+            return True
+        return self.kv_cache.allocate(request.request_id, num_tokens) is not None
+
+    def _kv_after_alloc(self, request: Request, num_external: int) -> None:
+        if self.kv_connector is not None and self.kv_cache is not None:
+            blocks = list(self.kv_cache.block_table(request.request_id))
+            self.kv_connector.update_state_after_alloc(request, blocks, num_external)
+
+    def _preempt(self, request: Request) -> None:
+        if self.kv_cache is not None:
+            self.kv_cache.free(request.request_id)
+        self.encoder_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _plan_encoder_inputs(
+        self, request: Request, start: int, num_new: int, encoder_budget: int
+    ) -> _EncoderPlan:
+        """Which items the chunk ``[start, start + num_new)`` needs, and from where.
+
+        May shorten the chunk to stop before an item that does not fit this step.
+        Has no effect other than referencing encoder-cache hits (and evicting
+        unreferenced entries to make room).
+        """
+        encode: list[int] = []
+        load: list[int] = []
+        seen: set[str] = set()
+        rows = 0
+        end = start + num_new
+        consumer = self.ec_connector is not None and self.ec_connector.is_consumer
+        for i, feature in enumerate(request.mm_features):
+            if feature.offset >= end:
+                break
+            if feature.offset + feature.length <= start:
+                continue
+            if feature.mm_hash in seen or self.encoder_cache.has_ref(request, i):
+                continue
+            if self.encoder_cache.check_and_update_cache(request, i):
+                continue
+            loadable = consumer and self.ec_connector.has_cache_item(feature.mm_hash, request)
+            fits_budget = loadable or feature.length <= encoder_budget
+            if not fits_budget or not self.encoder_cache.can_allocate(rows + feature.length):
+                num_new = feature.offset - start
+                break
+            if loadable:
+                load.append(i)
+            elif feature.pixel_values is None:
+                return _EncoderPlan(
+                    [],
+                    [],
+                    0,
+                    encoder_budget,
+                    f"media item {feature.mm_hash} is neither cached, loadable "
+                    "nor encodable here (no pixel values)",
+                )
+            else:
+                encode.append(i)
+                encoder_budget -= feature.length
+            seen.add(feature.mm_hash)
+            rows += feature.length
+        return _EncoderPlan(encode, load, max(0, num_new), encoder_budget)
+
+    def _commit_encoder_plan(self, request: Request, plan: _EncoderPlan) -> None:
+        for i in plan.encode:
+            self.encoder_cache.allocate(request, i)
+        for i in plan.load:
+            self.encoder_cache.allocate(request, i)
+            if self.ec_connector is not None:
+                self.ec_connector.update_state_after_alloc(request, i)
+
+    # ---- results ------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's results; returns one output per request with news."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        self._handle_finished_transfers(runner_output)
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            error = runner_output.failed.get(request.request_id)
+            if error is not None:
+                self._fail(request, error)
+                outputs.extend(self._pending_outputs)
+                self._pending_outputs = []
+                continue
+            if not self.encoder_only:
+                prompt_end = min(
+                    item.num_computed_tokens + item.num_scheduled_tokens, request.num_prompt_tokens
+                )
+                self.counters.prompt_tokens_computed += max(
+                    0, prompt_end - item.num_computed_tokens
+                )
+            new_ids: list[int] = []
+            for token in runner_output.sampled_token_ids.get(request.request_id, ()):
+                request.output_token_ids.append(token)
+                new_ids.append(token)
+                self.counters.generation_tokens += 1
+                if self._check_stop(request, token):
+                    break
+            self._free_passed_encoder_inputs(request)
+            if self.encoder_only and request.num_computed_tokens >= request.num_prompt_tokens:
+                request.status = RequestStatus.FINISHED_STOPPED
+            if request.is_finished:
+                self.running.remove(request)
+                final = self._final_output(request, new_ids)
+                final.new_logprobs = runner_output.logprobs.get(request.request_id)
+                outputs.append(final)
+            elif new_ids:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=new_ids,
+                        new_logprobs=runner_output.logprobs.get(request.request_id),
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+        for mm_hash in runner_output.failed_mm_hashes:
+            self.encoder_cache.discard(mm_hash)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ) or request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return request.is_finished
+
+    def _free_passed_encoder_inputs(self, request: Request) -> None:
+        """Drop references to items the prompt has moved past (all copies of a hash)."""
+        pending = {
+            f.mm_hash
+            for f in request.mm_features
+            if f.offset + f.length > request.num_computed_tokens
+        }
+        for i, feature in enumerate(request.mm_features):
+            if feature.mm_hash not in pending:
+                self.encoder_cache.free_encoder_input(request, i)
+
+    def _handle_finished_transfers(self, out: ModelRunnerOutput) -> None:
+        for rid in out.kv_finished_recving or ():
+            entry = self._remote_kv.pop(rid, None)
+            if entry is None:
+                continue
+            request, num_external = entry
+            request.num_computed_tokens = num_external
+            request.num_cached_tokens = num_external
+            self.counters.kv_tokens_received += num_external
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for rid in out.kv_finished_sending or ():
+            request = self._kv_delayed.pop(rid, None)
+            if request is not None:
+                if self.kv_cache is not None:
+                    self.kv_cache.free(rid)
+                if rid not in self._ec_delayed:
+                    self._release(request)
+        for rid in out.ec_finished_sending or ():
+            request = self._ec_delayed.pop(rid, None)
+            if request is not None:
+                self.encoder_cache.free(request)
+                if rid not in self._kv_delayed:
+                    self._release(request)
+
+    # ---- introspection ------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._remote_kv or self._pending_outputs)
+
+    def has_pending_work(self) -> bool:
+        """Anything a step would do, including freeing delayed requests."""
+        return self.has_unfinished_requests() or bool(
+            self._kv_delayed or self._ec_delayed or self._finished_req_ids
+        )
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._remote_kv)
