@@ -1,0 +1,260 @@
+//! Chat `messages` and responses `input` -> [`Message`]s with media collected.
+
+use crate::error::{RequestError, Result};
+use crate::fields::{array, missing, object, present, string, type_error, value_error};
+use crate::limits::Limits;
+use crate::media_items::MediaCollector;
+use crate::path::Path;
+use crate::request::{Message, Part, Role};
+use crate::value::Value;
+
+fn role(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<Role> {
+    let v = present(v).ok_or_else(|| missing(path))?;
+    match string(v, path)? {
+        "system" | "developer" => Ok(Role::System),
+        "user" => Ok(Role::User),
+        "assistant" => Ok(Role::Assistant),
+        other => Err(value_error(
+            path,
+            format!(
+                "unsupported role '{}': expected system, developer, user or assistant",
+                clip(other)
+            ),
+        )),
+    }
+}
+
+/// At most 40 characters of user text, for messages.
+pub fn clip(s: &str) -> String {
+    s.chars().take(40).collect()
+}
+
+fn check_count(n: usize, limits: &Limits, path: &Path<'_>) -> Result<()> {
+    if n == 0 {
+        return Err(value_error(path, format!("'{path}' must not be empty")));
+    }
+    if n > limits.max_messages {
+        return Err(RequestError::LimitExceeded {
+            param: Some(path.render()),
+            message: format!(
+                "'{path}' has {n} messages, over the limit of {}",
+                limits.max_messages
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn opt_uuid<'v>(part: &'v Value<'_>, path: &Path<'_>) -> Result<Option<&'v str>> {
+    present(part.get("uuid"))
+        .map(|u| string(u, &path.key("uuid")))
+        .transpose()
+}
+
+/// Chat `messages`.
+pub fn chat_messages(
+    v: &Value<'_>,
+    path: &Path<'_>,
+    limits: &Limits,
+    media: &mut MediaCollector<'_>,
+) -> Result<Vec<Message>> {
+    let items = array(v, path)?;
+    check_count(items.len(), limits, path)?;
+    let mut out = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let mp = path.index(i);
+        object(m, &mp)?;
+        let role = role(m.get("role"), &mp.key("role"))?;
+        let cp = mp.key("content");
+        let content = match present(m.get("content")) {
+            None if role == Role::Assistant => Vec::new(),
+            None => return Err(missing(&cp)),
+            Some(Value::String(s)) => vec![Part::Text {
+                text: s.to_string(),
+            }],
+            Some(Value::Array(parts)) => {
+                let mut content = Vec::with_capacity(parts.len());
+                for (j, part) in parts.iter().enumerate() {
+                    content.push(chat_part(part, &cp.index(j), media)?);
+                }
+                content
+            }
+            Some(other) => {
+                return Err(type_error(
+                    &cp,
+                    "a string or an array of content parts",
+                    other,
+                ))
+            }
+        };
+        out.push(Message { role, content });
+    }
+    Ok(out)
+}
+
+fn chat_part(part: &Value<'_>, path: &Path<'_>, media: &mut MediaCollector<'_>) -> Result<Part> {
+    object(part, path)?;
+    let tp = path.key("type");
+    let kind = string(present(part.get("type")).ok_or_else(|| missing(&tp))?, &tp)?;
+    match kind {
+        "text" => {
+            let p = path.key("text");
+            let text = string(present(part.get("text")).ok_or_else(|| missing(&p))?, &p)?;
+            Ok(Part::Text {
+                text: text.to_owned(),
+            })
+        }
+        "image_url" => {
+            let ip = path.key("image_url");
+            let image = present(part.get("image_url")).ok_or_else(|| missing(&ip))?;
+            let up = ip.key("url");
+            let url = match image {
+                Value::String(s) => s.as_ref(),
+                Value::Object(_) => {
+                    string(present(image.get("url")).ok_or_else(|| missing(&up))?, &up)?
+                }
+                other => return Err(type_error(&ip, "an object with a 'url'", other)),
+            };
+            let url_path = if matches!(image, Value::String(_)) {
+                ip
+            } else {
+                up
+            };
+            let uuid = opt_uuid(part, path)?;
+            let index = media.add_image(url, uuid, &ip, &url_path, &path.key("uuid"))?;
+            Ok(Part::Image { media_index: index })
+        }
+        other => Err(value_error(
+            &tp,
+            format!(
+                "unsupported content part type '{}': expected text or image_url",
+                clip(other)
+            ),
+        )),
+    }
+}
+
+/// Responses `input` (a string, or a list of message items) with `instructions`
+/// prepended as a system message.
+pub fn responses_input(
+    v: &Value<'_>,
+    path: &Path<'_>,
+    instructions: Option<&str>,
+    limits: &Limits,
+    media: &mut MediaCollector<'_>,
+) -> Result<Vec<Message>> {
+    let mut out = Vec::new();
+    if let Some(text) = instructions {
+        out.push(Message {
+            role: Role::System,
+            content: vec![Part::Text {
+                text: text.to_owned(),
+            }],
+        });
+    }
+    match v {
+        Value::String(s) => {
+            out.push(Message {
+                role: Role::User,
+                content: vec![Part::Text {
+                    text: s.to_string(),
+                }],
+            });
+        }
+        Value::Array(items) => {
+            check_count(items.len(), limits, path)?;
+            out.reserve(items.len());
+            for (i, item) in items.iter().enumerate() {
+                out.push(responses_item(item, &path.index(i), media)?);
+            }
+        }
+        other => {
+            return Err(type_error(
+                path,
+                "a string or an array of input items",
+                other,
+            ))
+        }
+    }
+    Ok(out)
+}
+
+fn responses_item(
+    item: &Value<'_>,
+    path: &Path<'_>,
+    media: &mut MediaCollector<'_>,
+) -> Result<Message> {
+    object(item, path)?;
+    if let Some(t) = present(item.get("type")) {
+        let tp = path.key("type");
+        let t = string(t, &tp)?;
+        if t != "message" {
+            return Err(value_error(
+                &tp,
+                format!(
+                    "unsupported input item type '{}': expected message",
+                    clip(t)
+                ),
+            ));
+        }
+    }
+    let role = role(item.get("role"), &path.key("role"))?;
+    let cp = path.key("content");
+    let content = match present(item.get("content")) {
+        None => return Err(missing(&cp)),
+        Some(Value::String(s)) => vec![Part::Text {
+            text: s.to_string(),
+        }],
+        Some(Value::Array(parts)) => {
+            let mut content = Vec::with_capacity(parts.len());
+            for (j, part) in parts.iter().enumerate() {
+                content.push(responses_part(part, &cp.index(j), media)?);
+            }
+            content
+        }
+        Some(other) => {
+            return Err(type_error(
+                &cp,
+                "a string or an array of content parts",
+                other,
+            ))
+        }
+    };
+    Ok(Message { role, content })
+}
+
+fn responses_part(
+    part: &Value<'_>,
+    path: &Path<'_>,
+    media: &mut MediaCollector<'_>,
+) -> Result<Part> {
+    object(part, path)?;
+    let tp = path.key("type");
+    let kind = string(present(part.get("type")).ok_or_else(|| missing(&tp))?, &tp)?;
+    match kind {
+        "input_text" | "output_text" => {
+            let p = path.key("text");
+            let text = string(present(part.get("text")).ok_or_else(|| missing(&p))?, &p)?;
+            Ok(Part::Text {
+                text: text.to_owned(),
+            })
+        }
+        "input_image" => {
+            let up = path.key("image_url");
+            let url = string(
+                present(part.get("image_url")).ok_or_else(|| missing(&up))?,
+                &up,
+            )?;
+            let uuid = opt_uuid(part, path)?;
+            let index = media.add_image(url, uuid, &up, &up, &path.key("uuid"))?;
+            Ok(Part::Image { media_index: index })
+        }
+        other => Err(value_error(
+            &tp,
+            format!(
+                "unsupported content part type '{}': expected input_text or input_image",
+                clip(other)
+            ),
+        )),
+    }
+}

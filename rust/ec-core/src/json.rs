@@ -1,0 +1,312 @@
+//! Body bytes -> [`Value`], with every failure mapped to a typed [`RequestError`].
+//!
+//! serde_json does the tokenizing; a seeded visitor builds the borrowed tree and
+//! enforces the depth and string-size limits while it goes, so a 10,000-deep body is
+//! refused after [`Limits::effective_depth`] levels without deep recursion.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+
+use crate::error::{RequestError, Result};
+use crate::limits::Limits;
+use crate::value::{Number, Value};
+
+/// The key serde_json (with `arbitrary_precision`) uses to hand over a number it did
+/// not fit into 64 bits, as a one-member map.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// Most digits accepted in an integer beyond 64 bits (Python's default conversion limit).
+const MAX_BIGINT_DIGITS: usize = 4300;
+
+struct Ctx {
+    max_depth: usize,
+    max_string_bytes: usize,
+    error: RefCell<Option<RequestError>>,
+}
+
+impl Ctx {
+    fn fail<E: de::Error>(&self, err: RequestError) -> E {
+        self.error.borrow_mut().get_or_insert(err);
+        E::custom("rejected")
+    }
+}
+
+/// Parses a whole body. The result borrows escape-free strings from `body`.
+pub fn parse_body<'de>(body: &'de [u8], limits: &Limits) -> Result<Value<'de>> {
+    if body.len() > limits.max_body_bytes {
+        return Err(RequestError::LimitExceeded {
+            param: None,
+            message: format!(
+                "request body is {} bytes, over the limit of {} bytes",
+                body.len(),
+                limits.max_body_bytes
+            ),
+        });
+    }
+    let text = std::str::from_utf8(body).map_err(|e| RequestError::InvalidUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    parse_str(text, limits)
+}
+
+/// Parses a JSON text (already known to be UTF-8).
+pub fn parse_str<'de>(text: &'de str, limits: &Limits) -> Result<Value<'de>> {
+    if text.trim_ascii().is_empty() {
+        return Err(RequestError::InvalidJson {
+            message: "request body is empty: expected a JSON object".into(),
+        });
+    }
+    let ctx = Ctx {
+        max_depth: limits.effective_depth(),
+        max_string_bytes: limits.max_string_bytes,
+        error: RefCell::new(None),
+    };
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed = ValueSeed {
+        ctx: &ctx,
+        depth: 0,
+    }
+    .deserialize(&mut de)
+    .and_then(|v| de.end().map(|()| v));
+    parsed.map_err(|err| match ctx.error.take() {
+        Some(typed) => typed,
+        None => map_serde_error(text, &err),
+    })
+}
+
+fn map_serde_error(text: &str, err: &serde_json::Error) -> RequestError {
+    let msg = err.to_string();
+    if msg.starts_with("recursion limit exceeded") {
+        return depth_error(crate::limits::DEPTH_CEILING);
+    }
+    if err.is_eof() {
+        return RequestError::InvalidJson {
+            message: format!("invalid JSON: unexpected end of input (truncated body?): {msg}"),
+        };
+    }
+    let offset = byte_offset(text, err.line(), err.column());
+    let rest = text.get(offset.saturating_sub(1)..).unwrap_or("");
+    let rest = rest.trim_start_matches([' ', '\t', '\r', '\n', ':', ',', '[']);
+    let rest = rest.strip_prefix('-').unwrap_or(rest);
+    if rest.starts_with("NaN") || rest.starts_with("Infinity") {
+        return RequestError::InvalidJson {
+            message: format!(
+                "invalid JSON: NaN and Infinity are not JSON numbers (line {} column {})",
+                err.line(),
+                err.column()
+            ),
+        };
+    }
+    RequestError::InvalidJson {
+        message: format!("invalid JSON: {msg}"),
+    }
+}
+
+fn byte_offset(text: &str, line: usize, column: usize) -> usize {
+    let line_start: usize = text
+        .split_inclusive('\n')
+        .take(line.saturating_sub(1))
+        .map(str::len)
+        .sum();
+    (line_start + column).min(text.len())
+}
+
+fn depth_error(max: usize) -> RequestError {
+    RequestError::LimitExceeded {
+        param: None,
+        message: format!("request body nests deeper than the limit of {max} levels"),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct ValueSeed<'c> {
+    ctx: &'c Ctx,
+    depth: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for ValueSeed<'_> {
+    type Value = Value<'de>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value<'de>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl ValueSeed<'_> {
+    fn check_string<E: de::Error>(&self, len: usize) -> Result<(), E> {
+        if len > self.ctx.max_string_bytes {
+            return Err(self.ctx.fail(RequestError::LimitExceeded {
+                param: None,
+                message: format!(
+                    "a string of {len} bytes is over the limit of {} bytes",
+                    self.ctx.max_string_bytes
+                ),
+            }));
+        }
+        Ok(())
+    }
+
+    fn nested<E: de::Error>(&self) -> Result<Self, E> {
+        let depth = self.depth + 1;
+        if depth > self.ctx.max_depth {
+            return Err(self.ctx.fail(depth_error(self.ctx.max_depth)));
+        }
+        Ok(ValueSeed {
+            ctx: self.ctx,
+            depth,
+        })
+    }
+
+    fn number_from_text<E: de::Error>(&self, text: &str) -> Result<Value<'static>, E> {
+        let is_integer = !text.contains(['.', 'e', 'E']);
+        if is_integer {
+            let digits = text.trim_start_matches('-').len();
+            if digits > MAX_BIGINT_DIGITS {
+                return Err(self.ctx.fail(RequestError::LimitExceeded {
+                    param: None,
+                    message: format!(
+                        "an integer of {digits} digits is over the limit of {MAX_BIGINT_DIGITS}"
+                    ),
+                }));
+            }
+            if text == "-0" {
+                return Ok(Value::Number(Number::Int(0)));
+            }
+            return Ok(Value::BigInt(Cow::Owned(text.to_owned())));
+        }
+        match text.parse::<f64>() {
+            Ok(f) if f.is_finite() => Ok(Value::Number(Number::Float(f))),
+            _ => Err(self.ctx.fail(RequestError::InvalidJson {
+                message: format!("invalid JSON: number {} is out of range", truncate(text)),
+            })),
+        }
+    }
+}
+
+fn truncate(text: &str) -> String {
+    if text.len() <= 40 {
+        text.to_owned()
+    } else {
+        format!("{}...", &text[..40])
+    }
+}
+
+impl<'de> Visitor<'de> for ValueSeed<'_> {
+    type Value = Value<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Value<'de>, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value<'de>, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value<'de>, E> {
+        Ok(Value::Number(Number::Int(v)))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value<'de>, E> {
+        Ok(Value::Number(match i64::try_from(v) {
+            Ok(i) => Number::Int(i),
+            Err(_) => Number::UInt(v),
+        }))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value<'de>, E> {
+        if v.is_finite() {
+            Ok(Value::Number(Number::Float(v)))
+        } else {
+            Err(self.ctx.fail(RequestError::InvalidJson {
+                message: "invalid JSON: number out of range".into(),
+            }))
+        }
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Value<'de>, E> {
+        self.check_string(v.len())?;
+        Ok(Value::String(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value<'de>, E> {
+        self.check_string(v.len())?;
+        Ok(Value::String(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value<'de>, E> {
+        self.check_string(v.len())?;
+        Ok(Value::String(Cow::Owned(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value<'de>, A::Error> {
+        let inner = self.nested()?;
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some(item) = seq.next_element_seed(inner)? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value<'de>, A::Error> {
+        let key_seed = KeySeed { outer: self };
+        let Some(first) = map.next_key_seed(key_seed)? else {
+            self.nested::<A::Error>()?;
+            return Ok(Value::Object(Vec::new()));
+        };
+        if first == NUMBER_TOKEN {
+            let text: String = map.next_value()?;
+            return self.number_from_text(&text);
+        }
+        let inner = self.nested()?;
+        let mut members = Vec::with_capacity(8);
+        members.push((first, map.next_value_seed(inner)?));
+        while let Some(key) = map.next_key_seed(key_seed)? {
+            let value = map.next_value_seed(inner)?;
+            members.push((key, value));
+        }
+        Ok(Value::Object(members))
+    }
+}
+
+#[derive(Clone, Copy)]
+struct KeySeed<'c> {
+    outer: ValueSeed<'c>,
+}
+
+impl<'de> DeserializeSeed<'de> for KeySeed<'_> {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Cow<'de, str>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed<'_> {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Cow<'de, str>, E> {
+        self.outer.check_string(v.len())?;
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Cow<'de, str>, E> {
+        self.outer.check_string(v.len())?;
+        Ok(Cow::Owned(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Cow<'de, str>, E> {
+        self.outer.check_string(v.len())?;
+        Ok(Cow::Owned(v))
+    }
+}

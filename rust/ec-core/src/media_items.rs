@@ -1,0 +1,134 @@
+//! Collecting a request's media items: decoding inline data, hashing, limits.
+
+use crate::error::{RequestError, Result};
+use crate::fields::value_error;
+use crate::limits::Limits;
+use crate::media::{decode_base64, decoded_len_bound, hash_for_uuid, split_data_url, MAX_HASH_LEN};
+use crate::path::Path;
+use crate::request::MediaItem;
+use crate::value::Value;
+
+/// Accumulates the media items of one request in order of appearance.
+pub struct MediaCollector<'l> {
+    limits: &'l Limits,
+    content: blake3::Hasher,
+    url: blake3::Hasher,
+    total_bytes: usize,
+    pub items: Vec<MediaItem>,
+}
+
+impl<'l> MediaCollector<'l> {
+    /// `model_id` and the processor kwargs enter every hash of this request.
+    pub fn new(limits: &'l Limits, model_id: &str, processor_kwargs: Option<&Value<'_>>) -> Self {
+        let kwargs = processor_kwargs
+            .map(Value::canonical_json)
+            .unwrap_or_default();
+        Self {
+            limits,
+            content: crate::media::prefix_hasher(crate::media::CONTENT_TAG, model_id, &kwargs),
+            url: crate::media::prefix_hasher(crate::media::URL_TAG, model_id, &kwargs),
+            total_bytes: 0,
+            items: Vec::new(),
+        }
+    }
+
+    /// Adds one image given by `url` (a base64 `data:` URL or an http(s) URL) found at
+    /// `url_path`; `item_path` is what [`MediaItem::param`] reports. Returns its index.
+    pub fn add_image(
+        &mut self,
+        url: &str,
+        uuid: Option<&str>,
+        item_path: &Path<'_>,
+        url_path: &Path<'_>,
+        uuid_path: &Path<'_>,
+    ) -> Result<usize> {
+        if self.items.len() >= self.limits.max_media_items {
+            return Err(RequestError::LimitExceeded {
+                param: Some(item_path.render()),
+                message: format!(
+                    "request has more than {} media items",
+                    self.limits.max_media_items
+                ),
+            });
+        }
+        if let Some(uuid) = uuid {
+            if uuid.is_empty() || uuid.len() > 4 * MAX_HASH_LEN {
+                return Err(value_error(
+                    uuid_path,
+                    format!("'uuid' must be 1 to {} bytes long", 4 * MAX_HASH_LEN),
+                ));
+            }
+        }
+        let is_data = url
+            .get(..5)
+            .is_some_and(|s| s.eq_ignore_ascii_case("data:"));
+        let item = if is_data {
+            let (mime, payload) = split_data_url(url).map_err(|e| e.at(url_path.render()))?;
+            let mime = mime.to_ascii_lowercase();
+            if !mime.starts_with("image/") {
+                return Err(RequestError::InvalidDataUrl {
+                    param: Some(url_path.render()),
+                    message: format!("data: URL media type must be image/*, got '{mime}'"),
+                });
+            }
+            let room = self.limits.max_media_bytes.saturating_sub(self.total_bytes);
+            let over = |size: usize| RequestError::LimitExceeded {
+                param: Some(url_path.render()),
+                message: format!(
+                    "media of {size} bytes is over the request's limit of {} bytes",
+                    self.limits.max_media_bytes
+                ),
+            };
+            if decoded_len_bound(payload) > room + 3 {
+                return Err(over(decoded_len_bound(payload)));
+            }
+            let data = decode_base64(payload).map_err(|e| e.at(url_path.render()))?;
+            if data.is_empty() {
+                return Err(RequestError::InvalidDataUrl {
+                    param: Some(url_path.render()),
+                    message: "data: URL payload is empty".into(),
+                });
+            }
+            if data.len() > room {
+                return Err(over(data.len()));
+            }
+            self.total_bytes += data.len();
+            let mm_hash = match uuid {
+                Some(u) => hash_for_uuid(u),
+                None => crate::media::finish_hash(self.content.clone(), &data),
+            };
+            MediaItem {
+                kind: "image",
+                mime_type: Some(mime),
+                data: Some(data),
+                url: None,
+                uuid: uuid.map(str::to_owned),
+                mm_hash,
+                param: item_path.render(),
+            }
+        } else {
+            let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+            if !(lower.starts_with("http://") || lower.starts_with("https://")) {
+                return Err(value_error(
+                    url_path,
+                    "image URL must be an http(s) URL or a base64 data: URL",
+                ));
+            }
+            let mm_hash = match uuid {
+                Some(u) => hash_for_uuid(u),
+                None => crate::media::finish_hash(self.url.clone(), url.as_bytes()),
+            };
+            MediaItem {
+                kind: "image",
+                mime_type: None,
+                data: None,
+                url: Some(url.to_owned()),
+                uuid: uuid.map(str::to_owned),
+                mm_hash,
+                param: item_path.render(),
+            }
+        };
+        self.items.push(item);
+        Ok(self.items.len() - 1)
+    }
+}

@@ -1,0 +1,360 @@
+//! The one entry point: body bytes of an endpoint -> [`ParsedRequest`].
+
+use crate::content::{chat_messages, responses_input};
+use crate::error::{RequestError, Result};
+use crate::fields::{
+    array, integer_in, missing, object, opt_bool, opt_object, opt_string, present, string,
+    token_id, type_error, value_error,
+};
+use crate::fieldset::{self, Fields, F};
+use crate::json::parse_body;
+use crate::limits::Limits;
+use crate::media::is_valid_mm_hash;
+use crate::media_items::MediaCollector;
+use crate::merge::{merge_ec_transfer_params, merge_kv_transfer_params};
+use crate::path::{Path, ROOT};
+use crate::request::{Endpoint, Features, ParsedRequest, Placeholder, Prompt};
+use crate::sampling::{sampling_params, stream_flags, LengthFields, LogprobStyle};
+use crate::value::Value;
+
+/// Parses and validates one request body.
+///
+/// `model_id` enters every content hash, so all instances of a deployment must pass
+/// the same value. Nothing here panics on any input; every rejection is a
+/// [`RequestError`].
+pub fn parse_request(
+    endpoint: Endpoint,
+    body: &[u8],
+    model_id: &str,
+    limits: &Limits,
+) -> Result<ParsedRequest> {
+    let root = parse_body(body, limits)?;
+    let members = match &root {
+        Value::Object(members) => members,
+        other => {
+            return Err(RequestError::InvalidType {
+                param: String::new(),
+                expected: "a JSON object",
+                found: other.type_name(),
+            })
+        }
+    };
+    let mask = match endpoint {
+        Endpoint::Chat => fieldset::CHAT,
+        Endpoint::Completions => fieldset::COMPLETIONS,
+        Endpoint::Responses => fieldset::RESPONSES,
+        Endpoint::Generate => fieldset::GENERATE,
+    };
+    let mut req = ParsedRequest::new(endpoint);
+    let fields = Fields::gather(members, mask, &ROOT, &mut req.unknown_fields);
+
+    req.model = opt_string(fields.raw(F::Model), &ROOT.key("model"))?;
+    req.user = opt_string(fields.raw(F::User), &ROOT.key("user"))?;
+    req.request_id = opt_string(fields.raw(F::RequestId), &ROOT.key("request_id"))?;
+    (req.stream, req.include_usage) = stream_flags(&fields)?;
+    req.kv_transfer_params = opt_object(
+        fields.raw(F::KvTransferParams),
+        &ROOT.key("kv_transfer_params"),
+    )?;
+    req.ec_transfer_params = opt_object(
+        fields.raw(F::EcTransferParams),
+        &ROOT.key("ec_transfer_params"),
+    )?;
+    req.mm_processor_kwargs = opt_object(
+        fields.raw(F::MmProcessorKwargs),
+        &ROOT.key("mm_processor_kwargs"),
+    )?;
+    req.chat_template_kwargs = opt_object(
+        fields.raw(F::ChatTemplateKwargs),
+        &ROOT.key("chat_template_kwargs"),
+    )?;
+    req.add_generation_prompt = opt_bool(
+        fields.raw(F::AddGenerationPrompt),
+        &ROOT.key("add_generation_prompt"),
+        true,
+    )?;
+    req.echo = opt_bool(fields.raw(F::Echo), &ROOT.key("echo"), false)?;
+    let xargs = opt_object(fields.raw(F::VllmXargs), &ROOT.key("vllm_xargs"))?;
+
+    let mut media = MediaCollector::new(limits, model_id, req.mm_processor_kwargs.as_ref());
+    let mut base_xargs = xargs;
+    match endpoint {
+        Endpoint::Chat => {
+            let p = ROOT.key("messages");
+            let v = fields.get(F::Messages).ok_or_else(|| missing(&p))?;
+            req.messages = Some(chat_messages(v, &p, limits, &mut media)?);
+            req.sampling = sampling_params(
+                &fields,
+                &ROOT,
+                LogprobStyle::Chat,
+                LengthFields {
+                    fields: &[F::MaxCompletionTokens, F::MaxTokens],
+                    default: None,
+                },
+                req.echo,
+                req.stream,
+            )?;
+        }
+        Endpoint::Responses => {
+            req.instructions = opt_string(fields.raw(F::Instructions), &ROOT.key("instructions"))?;
+            let p = ROOT.key("input");
+            let v = fields.get(F::Input).ok_or_else(|| missing(&p))?;
+            req.messages = Some(responses_input(
+                v,
+                &p,
+                req.instructions.as_deref(),
+                limits,
+                &mut media,
+            )?);
+            req.sampling = sampling_params(
+                &fields,
+                &ROOT,
+                LogprobStyle::Responses,
+                LengthFields {
+                    fields: &[F::MaxOutputTokens],
+                    default: None,
+                },
+                false,
+                req.stream,
+            )?;
+        }
+        Endpoint::Completions => {
+            let p = ROOT.key("prompt");
+            let v = fields.get(F::Prompt).ok_or_else(|| missing(&p))?;
+            req.prompts = Some(prompts(v, &p, limits)?);
+            req.sampling = sampling_params(
+                &fields,
+                &ROOT,
+                LogprobStyle::Count,
+                LengthFields {
+                    fields: &[F::MaxTokens],
+                    default: Some(16),
+                },
+                req.echo,
+                req.stream,
+            )?;
+        }
+        Endpoint::Generate => {
+            let p = ROOT.key("token_ids");
+            let v = fields.get(F::TokenIds).ok_or_else(|| missing(&p))?;
+            let ids = token_ids(v, &p, limits)?;
+            if ids.is_empty() {
+                return Err(value_error(&p, "'token_ids' must not be empty"));
+            }
+            let sp = ROOT.key("sampling_params");
+            let empty = Vec::new();
+            let sp_members = match fields.get(F::SamplingParams) {
+                Some(v) => object(v, &sp)?,
+                None => &empty[..],
+            };
+            let sfields = Fields::gather(
+                sp_members,
+                fieldset::GENERATE_SAMPLING,
+                &sp,
+                &mut req.unknown_fields,
+            );
+            req.sampling = sampling_params(
+                &sfields,
+                &sp,
+                LogprobStyle::Count,
+                LengthFields {
+                    fields: &[F::MaxTokens],
+                    default: Some(16),
+                },
+                false,
+                req.stream,
+            )?;
+            if req.sampling.n != 1 {
+                return Err(value_error(
+                    &sp.key("n"),
+                    "the generate endpoint serves one sequence per request: 'n' must be 1",
+                ));
+            }
+            let extra = opt_object(sfields.raw(F::ExtraArgs), &sp.key("extra_args"))?;
+            base_xargs = match (extra, base_xargs) {
+                (Some(Value::Object(mut inner)), Some(Value::Object(top))) => {
+                    inner.retain(|(k, _)| !top.iter().any(|(t, _)| t == k));
+                    inner.extend(top);
+                    Some(Value::Object(inner))
+                }
+                (extra, top) => top.or(extra),
+            };
+            if let Some(v) = fields.get(F::Features) {
+                req.features = Some(features(v, &ROOT.key("features"), ids.len())?);
+            }
+            req.token_ids = Some(ids);
+        }
+    }
+    req.media = media.items;
+
+    let merged = merge_kv_transfer_params(base_xargs.as_ref(), req.kv_transfer_params.as_ref());
+    req.sampling.extra_args =
+        merge_ec_transfer_params(merged.as_ref(), req.ec_transfer_params.as_ref());
+    Ok(req)
+}
+
+fn token_ids(v: &Value<'_>, path: &Path<'_>, limits: &Limits) -> Result<Vec<u32>> {
+    let items = array(v, path)?;
+    if items.len() > limits.max_token_ids {
+        return Err(token_limit(path, items.len(), limits));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, t)| token_id(t, &path.index(i)))
+        .collect()
+}
+
+fn token_limit(path: &Path<'_>, n: usize, limits: &Limits) -> RequestError {
+    RequestError::LimitExceeded {
+        param: Some(path.render()),
+        message: format!(
+            "'{path}' has {n} token ids, over the limit of {}",
+            limits.max_token_ids
+        ),
+    }
+}
+
+fn prompts(v: &Value<'_>, path: &Path<'_>, limits: &Limits) -> Result<Vec<Prompt>> {
+    let empty = || value_error(path, "'prompt' must not be empty");
+    match v {
+        Value::String(s) => Ok(vec![Prompt::Text(s.to_string())]),
+        Value::Array(items) if items.is_empty() => Err(empty()),
+        Value::Array(items) => match &items[0] {
+            Value::String(_) => items
+                .iter()
+                .enumerate()
+                .map(|(i, s)| string(s, &path.index(i)).map(|s| Prompt::Text(s.to_owned())))
+                .collect(),
+            Value::Array(_) => {
+                let mut total = 0;
+                let mut out = Vec::with_capacity(items.len());
+                for (i, item) in items.iter().enumerate() {
+                    let p = path.index(i);
+                    let ids = token_ids(item, &p, limits)?;
+                    if ids.is_empty() {
+                        return Err(value_error(&p, format!("'{p}' must not be empty")));
+                    }
+                    total += ids.len();
+                    if total > limits.max_token_ids {
+                        return Err(token_limit(path, total, limits));
+                    }
+                    out.push(Prompt::Tokens(ids));
+                }
+                Ok(out)
+            }
+            _ => Ok(vec![Prompt::Tokens(token_ids(v, path, limits)?)]),
+        },
+        other => Err(type_error(
+            path,
+            "a string, an array of strings, an array of token ids or an array of such arrays",
+            other,
+        )),
+    }
+}
+
+fn features(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<Features> {
+    object(v, path)?;
+    let hp = path.key("mm_hashes");
+    let hashes = array(
+        present(v.get("mm_hashes")).ok_or_else(|| missing(&hp))?,
+        &hp,
+    )?;
+    let mut mm_hashes = Vec::with_capacity(hashes.len());
+    for (i, h) in hashes.iter().enumerate() {
+        let p = hp.index(i);
+        let h = string(h, &p)?;
+        if !is_valid_mm_hash(h) {
+            return Err(value_error(
+                &p,
+                "an mm_hash must be lower-case hex of 1 to 128 characters",
+            ));
+        }
+        mm_hashes.push(h.to_owned());
+    }
+    let pp = path.key("mm_placeholders");
+    let places = array(
+        present(v.get("mm_placeholders")).ok_or_else(|| missing(&pp))?,
+        &pp,
+    )?;
+    if places.len() != mm_hashes.len() {
+        return Err(value_error(
+            &pp,
+            format!(
+                "'{pp}' has {} entries but 'mm_hashes' has {}",
+                places.len(),
+                mm_hashes.len()
+            ),
+        ));
+    }
+    let mut mm_placeholders = Vec::with_capacity(places.len());
+    let mut end_of_previous = 0;
+    for (i, place) in places.iter().enumerate() {
+        let p = pp.index(i);
+        object(place, &p)?;
+        let op = p.key("offset");
+        let lp = p.key("length");
+        let offset = integer_in(
+            present(place.get("offset")).ok_or_else(|| missing(&op))?,
+            &op,
+            0,
+            i64::MAX,
+        )? as usize;
+        let length = integer_in(
+            present(place.get("length")).ok_or_else(|| missing(&lp))?,
+            &lp,
+            1,
+            i64::MAX,
+        )? as usize;
+        if offset.saturating_add(length) > num_tokens {
+            return Err(value_error(
+                &p,
+                format!("placeholder [{offset}, {offset}+{length}) runs past the {num_tokens} token ids"),
+            ));
+        }
+        if offset < end_of_previous {
+            return Err(value_error(
+                &p,
+                "placeholders must be sorted and must not overlap",
+            ));
+        }
+        end_of_previous = offset + length;
+        mm_placeholders.push(Placeholder { offset, length });
+    }
+    let gp = path.key("mm_grid_thw");
+    let mm_grid_thw = match present(v.get("mm_grid_thw")) {
+        None => None,
+        Some(g) => {
+            let rows = array(g, &gp)?;
+            if rows.len() != mm_hashes.len() {
+                return Err(value_error(
+                    &gp,
+                    format!(
+                        "'{gp}' has {} entries but 'mm_hashes' has {}",
+                        rows.len(),
+                        mm_hashes.len()
+                    ),
+                ));
+            }
+            let mut grid = Vec::with_capacity(rows.len());
+            for (i, row) in rows.iter().enumerate() {
+                let rp = gp.index(i);
+                let cells = array(row, &rp)?;
+                if cells.len() != 3 {
+                    return Err(value_error(&rp, format!("'{rp}' must be [t, h, w]")));
+                }
+                let mut thw = [0u32; 3];
+                for (j, c) in cells.iter().enumerate() {
+                    thw[j] = integer_in(c, &rp.index(j), 1, i64::from(u16::MAX))? as u32;
+                }
+                grid.push(thw);
+            }
+            Some(grid)
+        }
+    };
+    Ok(Features {
+        mm_hashes,
+        mm_placeholders,
+        mm_grid_thw,
+    })
+}

@@ -1,0 +1,253 @@
+//! The normalized request that every endpoint parses into.
+
+use serde::Serialize;
+
+use crate::error::RequestError;
+use crate::value::OwnedValue;
+
+/// The four request kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Endpoint {
+    Chat,
+    Completions,
+    Responses,
+    Generate,
+}
+
+impl Endpoint {
+    /// `chat`, `completions`, `responses` or `generate`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
+            Endpoint::Generate => "generate",
+        }
+    }
+
+    /// The endpoint of a short name or a route path (`/v1/chat/completions`).
+    pub fn from_name(name: &str) -> Result<Self, RequestError> {
+        match name.trim_end_matches('/') {
+            "chat" | "chat/completions" | "/v1/chat/completions" => Ok(Endpoint::Chat),
+            "completions" | "/v1/completions" => Ok(Endpoint::Completions),
+            "responses" | "/v1/responses" => Ok(Endpoint::Responses),
+            "generate" | "/inference/v1/generate" => Ok(Endpoint::Generate),
+            _ => Err(RequestError::UnknownEndpoint {
+                endpoint: name.chars().take(100).collect(),
+            }),
+        }
+    }
+}
+
+/// Normalized sampling parameters (vLLM `SamplingParams` names and defaults).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SamplingParams {
+    /// `None`: up to the context length (the server decides).
+    pub max_tokens: Option<u64>,
+    pub temperature: f64,
+    pub top_p: f64,
+    /// 0 disables top-k (`-1` in a request means the same and is normalized to 0).
+    pub top_k: i64,
+    pub min_p: f64,
+    pub seed: Option<i64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub n: u32,
+    pub presence_penalty: f64,
+    pub frequency_penalty: f64,
+    pub repetition_penalty: f64,
+    /// Number of top logprobs per generated token; `None`: no logprobs.
+    pub logprobs: Option<u32>,
+    /// Number of top logprobs per prompt token; `-1`: the whole vocabulary.
+    pub prompt_logprobs: Option<i32>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    pub include_stop_str_in_output: bool,
+    /// The merged `vllm_xargs` (with `kv_transfer_params` / `ec_transfer_params`).
+    pub extra_args: Option<OwnedValue>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: None,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            n: 1,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logprobs: None,
+            prompt_logprobs: None,
+            ignore_eos: false,
+            skip_special_tokens: true,
+            include_stop_str_in_output: false,
+            extra_args: None,
+        }
+    }
+}
+
+/// A chat role after normalization (`developer` becomes `system`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Part {
+    Text {
+        text: String,
+    },
+    /// An index into [`ParsedRequest::media`].
+    Image {
+        media_index: usize,
+    },
+}
+
+/// A chat message with its content as parts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Message {
+    pub role: Role,
+    pub content: Vec<Part>,
+}
+
+/// A completions prompt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// One media item, in order of appearance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MediaItem {
+    /// Always `image` for now.
+    pub kind: &'static str,
+    /// The media type of an inline item (`image/png`); `None` for a URL reference.
+    pub mime_type: Option<String>,
+    /// The decoded bytes of an inline item; `None` for a URL reference.
+    #[serde(skip)]
+    pub data: Option<Vec<u8>>,
+    /// The http(s) URL of a referenced item.
+    pub url: Option<String>,
+    pub uuid: Option<String>,
+    /// Lower-case hex (see [`crate::media`]).
+    pub mm_hash: String,
+    /// Where the item sits in the body (`messages[0].content[1].image_url`).
+    pub param: String,
+}
+
+impl MediaItem {
+    /// Decoded size in bytes (0 for a URL reference).
+    pub fn len(&self) -> usize {
+        self.data.as_ref().map_or(0, Vec::len)
+    }
+
+    /// True for a URL reference.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A placeholder range of one media item in a generate request's `token_ids`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Placeholder {
+    pub offset: usize,
+    pub length: usize,
+}
+
+/// Multimodal features of a generate request, one entry per item.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Features {
+    pub mm_hashes: Vec<String>,
+    pub mm_placeholders: Vec<Placeholder>,
+    pub mm_grid_thw: Option<Vec<[u32; 3]>>,
+}
+
+/// A validated request, normalized across the four endpoints.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ParsedRequest {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub user: Option<String>,
+    /// `request_id` of a generate request.
+    pub request_id: Option<String>,
+    pub sampling: SamplingParams,
+    /// Chat and responses requests.
+    pub messages: Option<Vec<Message>>,
+    /// Completions requests.
+    pub prompts: Option<Vec<Prompt>>,
+    /// Generate requests.
+    pub token_ids: Option<Vec<u32>>,
+    /// Generate requests.
+    pub features: Option<Features>,
+    pub media: Vec<MediaItem>,
+    pub kv_transfer_params: Option<OwnedValue>,
+    pub ec_transfer_params: Option<OwnedValue>,
+    pub mm_processor_kwargs: Option<OwnedValue>,
+    pub chat_template_kwargs: Option<OwnedValue>,
+    pub add_generation_prompt: bool,
+    pub echo: bool,
+    /// Responses requests (also prepended as a system message).
+    pub instructions: Option<String>,
+    /// Top-level fields accepted and ignored (`sampling_params.x` for generate).
+    pub unknown_fields: Vec<String>,
+}
+
+impl ParsedRequest {
+    pub(crate) fn new(endpoint: Endpoint) -> Self {
+        Self {
+            endpoint,
+            model: None,
+            stream: false,
+            include_usage: false,
+            user: None,
+            request_id: None,
+            sampling: SamplingParams::default(),
+            messages: None,
+            prompts: None,
+            token_ids: None,
+            features: None,
+            media: Vec::new(),
+            kv_transfer_params: None,
+            ec_transfer_params: None,
+            mm_processor_kwargs: None,
+            chat_template_kwargs: None,
+            add_generation_prompt: true,
+            echo: false,
+            instructions: None,
+            unknown_fields: Vec::new(),
+        }
+    }
+}
+
+impl ParsedRequest {
+    /// The request as JSON (media bytes left out), for logs and tests.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}

@@ -1,0 +1,191 @@
+//! Sampling fields -> [`SamplingParams`], with vLLM's defaults and the OpenAI ranges.
+
+use crate::error::Result;
+use crate::fields::{
+    array, boolean, integer_in, number_in, object, present, string, token_id, type_error,
+    value_error,
+};
+use crate::fieldset::{Fields, F};
+use crate::path::{Path, ROOT};
+use crate::request::SamplingParams;
+use crate::value::Value;
+
+/// Largest `n` accepted (one request fans out into at most this many sequences).
+pub const MAX_N: i64 = 128;
+/// Largest number of top logprobs per token.
+pub const MAX_LOGPROBS: i64 = 20;
+
+/// How an endpoint asks for logprobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogprobStyle {
+    /// Chat: `logprobs: bool` plus `top_logprobs: int`.
+    Chat,
+    /// Completions and generate: `logprobs: int`.
+    Count,
+    /// Responses: `top_logprobs: int` alone.
+    Responses,
+}
+
+/// Where the output length comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LengthFields {
+    /// Fields in order of preference (`max_completion_tokens` before `max_tokens`).
+    pub fields: &'static [F],
+    /// Used when none is given.
+    pub default: Option<u64>,
+}
+
+fn opt_f64(
+    fields: &Fields<'_, '_>,
+    f: F,
+    at: &Path<'_>,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+    default: f64,
+) -> Result<f64> {
+    match fields.get(f) {
+        Some(v) => number_in(v, &at.key(f.name()), lo, hi, lo_open),
+        None => Ok(default),
+    }
+}
+
+fn opt_bool(fields: &Fields<'_, '_>, f: F, at: &Path<'_>, default: bool) -> Result<bool> {
+    match fields.get(f) {
+        Some(v) => boolean(v, &at.key(f.name())),
+        None => Ok(default),
+    }
+}
+
+/// Reads and validates the sampling fields of one object (`at` is its path).
+pub fn sampling_params(
+    fields: &Fields<'_, '_>,
+    at: &Path<'_>,
+    style: LogprobStyle,
+    length: LengthFields,
+    echo: bool,
+    stream: bool,
+) -> Result<SamplingParams> {
+    let mut p = SamplingParams {
+        max_tokens: length.default,
+        ..SamplingParams::default()
+    };
+    for &f in length.fields {
+        if let Some(v) = fields.get(f) {
+            p.max_tokens = Some(integer_in(v, &at.key(f.name()), 1, i64::MAX)? as u64);
+            break;
+        }
+    }
+    p.temperature = opt_f64(fields, F::Temperature, at, 0.0, 2.0, false, 1.0)?;
+    p.top_p = opt_f64(fields, F::TopP, at, 0.0, 1.0, true, 1.0)?;
+    p.min_p = opt_f64(fields, F::MinP, at, 0.0, 1.0, false, 0.0)?;
+    p.presence_penalty = opt_f64(fields, F::PresencePenalty, at, -2.0, 2.0, false, 0.0)?;
+    p.frequency_penalty = opt_f64(fields, F::FrequencyPenalty, at, -2.0, 2.0, false, 0.0)?;
+    p.repetition_penalty = opt_f64(
+        fields,
+        F::RepetitionPenalty,
+        at,
+        0.0,
+        f64::INFINITY,
+        true,
+        1.0,
+    )?;
+    if let Some(v) = fields.get(F::TopK) {
+        let k = integer_in(v, &at.key("top_k"), -1, i64::from(i32::MAX))?;
+        p.top_k = k.max(0);
+    }
+    if let Some(v) = fields.get(F::Seed) {
+        p.seed = Some(integer_in(v, &at.key("seed"), i64::MIN, i64::MAX)?);
+    }
+    if let Some(v) = fields.get(F::N) {
+        p.n = integer_in(v, &at.key("n"), 1, MAX_N)? as u32;
+    }
+    if let Some(v) = fields.get(F::Stop) {
+        p.stop = stop_list(v, &at.key("stop"))?;
+    }
+    if let Some(v) = fields.get(F::StopTokenIds) {
+        let path = at.key("stop_token_ids");
+        p.stop_token_ids = array(v, &path)?
+            .iter()
+            .enumerate()
+            .map(|(i, t)| token_id(t, &path.index(i)))
+            .collect::<Result<_>>()?;
+    }
+    p.ignore_eos = opt_bool(fields, F::IgnoreEos, at, false)?;
+    p.skip_special_tokens = opt_bool(fields, F::SkipSpecialTokens, at, true)?;
+    p.include_stop_str_in_output = opt_bool(fields, F::IncludeStopStrInOutput, at, false)?;
+
+    let top_logprobs = match fields.get(F::TopLogprobs) {
+        Some(v) => Some(integer_in(v, &at.key("top_logprobs"), 0, MAX_LOGPROBS)? as u32),
+        None => None,
+    };
+    p.logprobs = match style {
+        LogprobStyle::Chat => {
+            let wanted = opt_bool(fields, F::Logprobs, at, false)?;
+            if !wanted && top_logprobs.is_some_and(|k| k > 0) {
+                return Err(value_error(
+                    &at.key("top_logprobs"),
+                    "when using 'top_logprobs', 'logprobs' must be set to true",
+                ));
+            }
+            wanted.then_some(top_logprobs.unwrap_or(0))
+        }
+        LogprobStyle::Count => match fields.get(F::Logprobs) {
+            Some(v) => Some(integer_in(v, &at.key("logprobs"), 0, MAX_LOGPROBS)? as u32),
+            None => None,
+        },
+        LogprobStyle::Responses => top_logprobs,
+    };
+    p.prompt_logprobs = match fields.get(F::PromptLogprobs) {
+        Some(v) => {
+            let path = at.key("prompt_logprobs");
+            let k = integer_in(v, &path, -1, MAX_LOGPROBS)? as i32;
+            if stream && k != 0 {
+                return Err(value_error(
+                    &path,
+                    "'prompt_logprobs' are not available when 'stream' is true",
+                ));
+            }
+            Some(k)
+        }
+        None if echo => match style {
+            LogprobStyle::Chat => top_logprobs.map(|k| k as i32),
+            _ => p.logprobs.map(|k| k as i32),
+        },
+        None => None,
+    };
+    Ok(p)
+}
+
+fn stop_list(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<String>> {
+    match v {
+        Value::String(s) => Ok(vec![s.to_string()]),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, s)| string(s, &path.index(i)).map(str::to_owned))
+            .collect(),
+        other => Err(type_error(path, "a string or an array of strings", other)),
+    }
+}
+
+/// `stream` and `stream_options.include_usage`; options without streaming are refused.
+pub fn stream_flags(fields: &Fields<'_, '_>) -> Result<(bool, bool)> {
+    let stream = opt_bool(fields, F::Stream, &Path::Root, false)?;
+    let Some(options) = fields.get(F::StreamOptions) else {
+        return Ok((stream, false));
+    };
+    let path = ROOT.key("stream_options");
+    let members = object(options, &path)?;
+    if !stream && !members.is_empty() {
+        return Err(value_error(
+            &path,
+            "'stream_options' can only be set when 'stream' is true",
+        ));
+    }
+    let include_usage = present(options.get("include_usage"))
+        .map(|v| boolean(v, &path.key("include_usage")))
+        .transpose()?
+        .unwrap_or(false);
+    Ok((stream, include_usage))
+}
