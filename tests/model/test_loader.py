@@ -206,3 +206,23 @@ def test_load_processor(builtin_model_dir):
     assert proc.max_model_len == 4096
     with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_processor(builtin_model_dir.parent / "missing")
+
+
+def test_dummy_load_format_needs_no_weights_and_is_reproducible(
+    builtin_model_dir, tmp_path, model, driver
+):
+    directory = copy_checkpoint(builtin_model_dir, tmp_path / "dummy")
+    (directory / "model.safetensors").unlink()
+    first = load_model(directory, device="cpu", load_format="dummy")
+    second = load_model(directory, device="cpu", load_format="dummy")
+    state = torch.get_rng_state()
+    logits = text_logits(first, driver)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, text_logits(second, driver), atol=0, rtol=0)
+    assert not torch.allclose(logits, text_logits(model, driver), atol=1e-2)
+    pixels, grid = torch.randn(16, 1176), torch.tensor([[1, 4, 4]])
+    (a,), (b,) = first.encode_images(pixels, grid), second.encode_images(pixels, grid)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+    with pytest.raises(ModelLoadError, match="unsupported load_format"):
+        load_model(directory, device="cpu", load_format="gguf")

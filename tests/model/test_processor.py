@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -272,3 +273,36 @@ def test_image_modes_are_converted(processor, media, mode):
     Image.new(mode, (56, 56)).save(buf, "PNG" if mode != "CMYK" else "JPEG")
     out = processor.process_chat(user(img(0)), [media(buf.getvalue(), "ab")])
     assert out.mm_features[0].pixel_values.shape == (16, 1176)
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        (
+            [{"role": "user", "content": "plain string"}],
+            "<|im_start|>user\nplain string<|im_end|>\n",
+        ),
+        (
+            [{"role": "user", "content": [text("hi")]}, {"role": "assistant", "content": None}],
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n",
+        ),
+        (
+            [{"role": "user", "content": [text("a"), {"type": "audio"}, text("b")]}],
+            "<|im_start|>user\nab<|im_end|>\n",
+        ),
+    ],
+)
+def test_template_content_shapes(processor, messages, expected):
+    out = processor.process_chat(messages, [], add_generation_prompt=False)
+    assert out.prompt.endswith(expected)
+
+
+def test_processor_is_thread_safe(processor, media, make_image):
+    items = [media(make_image(112, 56, seed=9), "ab")]
+    messages = user(text("same request " * 20), img(0))
+    want = processor.process_chat(messages, items)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        outs = list(pool.map(lambda _: processor.process_chat(messages, items), range(32)))
+    for out in outs:
+        assert out.prompt_token_ids == want.prompt_token_ids
+        assert torch.equal(out.mm_features[0].pixel_values, want.mm_features[0].pixel_values)

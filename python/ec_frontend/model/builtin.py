@@ -29,7 +29,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 #: Bumped whenever any byte of the checkpoint would change.
-BUILTIN_VERSION = "v1"
+BUILTIN_VERSION = "v2"
 BUILTIN_NAME = f"qwen2-vl-tiny-{BUILTIN_VERSION}"
 #: The model id a server reports for the built-in model.
 BUILTIN_MODEL_ID = "ec-frontend/qwen2-vl-tiny"
@@ -92,7 +92,7 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}"
     "{{ message['content'] }}"
-    "{% else %}"
+    "{% elif message['content'] is iterable %}"
     "{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
     "{% set image_count.value = image_count.value + 1 %}"

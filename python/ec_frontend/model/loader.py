@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -136,34 +137,47 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     load_vision: bool = True,
     load_language: bool = True,
+    load_format: str = "auto",
 ) -> Qwen2VLModel:
     """Load a local Qwen2-VL checkpoint.
 
     ``device`` defaults to CUDA when available, else CPU; ``dtype`` to bfloat16
     on CUDA, float32 elsewhere. ``load_vision`` / ``load_language`` choose the
     parts to build (an encoder-only instance needs no language model).
+    ``load_format="dummy"`` skips the weight files and gives deterministic
+    random weights for the config (for benchmarks of large shapes).
     Raises :class:`ModelLoadError`.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"unsupported load_format {load_format!r}; use one of {LOAD_FORMATS}")
     directory = Path(path)
     config = load_config(directory)
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, target_device)
     text_cfg = text_model_config(config)
+    dummy = load_format == "dummy"
     wanted = {name for name, on in (("vision", load_vision), ("language", load_language)) if on}
-    weights = _read_weights(directory, wanted)
+    weights = {} if dummy else _read_weights(directory, wanted)
 
     vision = None
-    if load_vision:
-        vision = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
-        _load_into(vision, weights.get("vision", {}), "vision tower")
-        vision = vision.to(device=target_device, dtype=target_dtype).eval()
     language = None
-    if load_language:
-        language = Qwen2TextModel(text_cfg)
-        lm_weights = weights.get("language", {})
-        if text_cfg.tie_word_embeddings:
-            lm_weights.pop("lm_head.weight", None)
-        _load_into(language, lm_weights, "language model")
+    # Built under a fixed seed: dummy weights are reproducible, the global RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if load_vision:
+            vision = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
+        if load_language:
+            language = Qwen2TextModel(text_cfg)
+    if vision is not None:
+        if not dummy:
+            _load_into(vision, weights["vision"], "vision tower")
+        vision = vision.to(device=target_device, dtype=target_dtype).eval()
+    if language is not None:
+        if not dummy:
+            lm_weights = weights["language"]
+            if text_cfg.tie_word_embeddings:
+                lm_weights.pop("lm_head.weight", None)
+            _load_into(language, lm_weights, "language model")
         language = language.to(device=target_device, dtype=target_dtype).eval()
     return Qwen2VLModel(
         text_config=text_cfg,

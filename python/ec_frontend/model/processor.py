@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,11 @@ class ProcessedInputs:
 
 
 class InputProcessor:
-    """Tokenizer, chat template and image processor of one Qwen2-VL checkpoint."""
+    """Tokenizer, chat template and image processor of one Qwen2-VL checkpoint.
+
+    Safe to call from several threads (tokenizer calls are serialized; image
+    decoding and processing run in parallel).
+    """
 
     def __init__(
         self,
@@ -110,6 +115,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.model_id = model_id
         self.max_image_pixels = max_image_pixels
+        # Hugging Face tokenizers are not safe to call from several threads at once.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -150,13 +157,14 @@ class InputProcessor:
                 f"chat_template_kwargs may not set {reserved}", code="invalid_template"
             )
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
-        except TemplateError as exc:
+            with self._lock:
+                text = self.tokenizer.apply_chat_template(
+                    list(messages),
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **kwargs,
+                )
+        except (TemplateError, TypeError, KeyError, ValueError) as exc:
             raise InputError(f"chat template failed: {exc}", code="invalid_template") from exc
         ids = self._encode(text)
         placeholders = ids.count(self.image_token_id)
@@ -234,7 +242,8 @@ class InputProcessor:
         return ProcessedInputs(ids, features, positions, delta, text)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
         ids = list(token_ids)
