@@ -164,3 +164,33 @@ def test_kv_cache_spec(model):
         torch.float32,
     )
     assert spec.bytes_per_block(16) == 2 * 2 * 16 * 2 * 16 * 4
+
+
+def test_decodes_of_different_lengths_share_one_step(
+    model, processor, media, make_image, driver, embed
+):
+    prompts = [
+        chat(processor, media, make_image, [], "short"),
+        chat(processor, media, make_image, [(56, 112)], "an image and more words to make it long"),
+        chat(processor, media, make_image, [], "a medium sized text prompt"),
+    ]
+    tokens = [torch.tensor([7]), torch.tensor([42]), torch.tensor([300])]
+
+    def decode_pos(p: ProcessedInputs) -> torch.Tensor:
+        return torch.full((3, 1), len(p.prompt_token_ids) + p.mrope_position_delta)
+
+    alone = []
+    for i, p in enumerate(prompts):
+        solo = driver(model, block_size=4, num_blocks=64)
+        solo.step([(str(i), embed(model, p), p.mrope_positions)])
+        (out,) = solo.step([(str(i), model.embed_tokens(tokens[i]), decode_pos(p))])
+        alone.append(out)
+
+    together = driver(model, block_size=4, num_blocks=64)
+    for i, p in enumerate(prompts):
+        together.step([(str(i), embed(model, p), p.mrope_positions)])
+    outs = together.step(
+        [(str(i), model.embed_tokens(tokens[i]), decode_pos(p)) for i, p in enumerate(prompts)]
+    )
+    for got, want in zip(outs, alone, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

@@ -3,8 +3,13 @@
 The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (K then V). A forward writes the step's new K and V at ``slot_mapping`` and
 then lets each request's new tokens attend causally over that request's whole
-context, gathered from its block table. All requests of the step go through
-one padded ``scaled_dot_product_attention`` call.
+context, gathered from its block table.
+
+Requests are grouped so that no request is padded to another's prompt
+length: all decodes (one new token each) share one ``scaled_dot_product_attention``
+call padded only to the longest decode context; every prefill chunk gets its
+own call (plain causal when it is the whole prompt, an offset causal mask when
+earlier tokens are already cached). Grouped KV heads are expanded by SDPA.
 """
 
 from __future__ import annotations
@@ -18,48 +23,74 @@ from ec_frontend.model.interface import AttentionMetadata
 
 
 @dataclass(slots=True)
-class PagedLayout:
-    """Index tensors of one step, computed once and shared by every layer."""
+class DecodeGroup:
+    """All requests of a step with exactly one new token."""
 
-    token_request: torch.Tensor  # [T] request index of each token
-    token_local: torch.Tensor  # [T] index of each token among its request's new tokens
-    block_tables: torch.Tensor  # [B, blocks_needed]
-    mask: torch.Tensor  # [B, 1, max_query, max_context] bool, True = may attend
-    max_query: int
-    max_context: int
+    rows: torch.Tensor  # [D] row of each request's token in the flattened batch
+    block_tables: torch.Tensor  # [D, blocks]
+    mask: torch.Tensor  # [D, 1, 1, context] bool, True = may attend
+    context: int
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request with several new tokens, at rows ``start:end``."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [blocks]
+    seq_len: int
+    mask: torch.Tensor | None  # [new, seq_len] bool; None = plain causal (nothing cached)
+
+
+@dataclass(slots=True)
+class PagedLayout:
+    """Gather indices and masks of one step, built once and shared by every layer."""
+
+    decodes: DecodeGroup | None
+    prefills: list[PrefillChunk]
 
 
 def build_layout(meta: AttentionMetadata, device: torch.device) -> PagedLayout:
-    """Derive the per-step gather/scatter indices and the causal mask from ``meta``.
+    """Group the step's requests and build their masks from ``meta`` (host lists
+    only, so no device synchronisation).
 
-    Query row ``j`` of request ``i`` sits at absolute position
-    ``seq_lens[i] - query_lens[i] + j`` and sees keys ``0..that position``.
-    Padding query rows see the request's whole context, so no row is fully
-    masked (their outputs are discarded).
+    New token ``j`` of a request with ``q`` new and ``s`` total tokens sits at
+    position ``s - q + j`` and sees keys ``0..s - q + j``.
     """
-    num_requests = meta.num_requests
-    max_query = max(meta.query_lens_cpu)
-    max_context = max(meta.seq_lens_cpu)
-    blocks_needed = -(-max_context // meta.block_size)
-    query_lens = meta.query_lens.to(device)
-    seq_lens = meta.seq_lens.to(device)
-    starts = meta.query_start_loc.to(device)
-    token_request = torch.repeat_interleave(torch.arange(num_requests, device=device), query_lens)
-    num_tokens = token_request.shape[0]
-    token_local = torch.arange(num_tokens, device=device) - starts[token_request]
-    q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query, device=device)[None, :]
-    k_idx = torch.arange(max_context, device=device)
-    mask = (k_idx[None, None, :] <= q_pos[:, :, None]) & (
-        k_idx[None, None, :] < seq_lens[:, None, None]
-    )
-    return PagedLayout(
-        token_request=token_request,
-        token_local=token_local,
-        block_tables=meta.block_tables[:, :blocks_needed].to(device),
-        mask=mask.unsqueeze(1),
-        max_query=max_query,
-        max_context=max_context,
-    )
+    block_size = meta.block_size
+    tables = meta.block_tables.to(device)
+    decode_idx: list[int] = []
+    decode_rows: list[int] = []
+    prefills: list[PrefillChunk] = []
+    start = 0
+    for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        if q == 1:
+            decode_idx.append(i)
+            decode_rows.append(start)
+        elif q > 1:
+            mask = None
+            if s != q:
+                k_idx = torch.arange(s, device=device)
+                q_pos = torch.arange(s - q, s, device=device)
+                mask = k_idx[None, :] <= q_pos[:, None]
+            blocks = tables[i, : -(-s // block_size)]
+            prefills.append(PrefillChunk(start, start + q, blocks, s, mask))
+        start += q
+    decodes = None
+    if decode_idx:
+        lens = [meta.seq_lens_cpu[i] for i in decode_idx]
+        context = max(lens)
+        index = torch.tensor(decode_idx, device=device)
+        seq = torch.tensor(lens, device=device)
+        mask = torch.arange(context, device=device)[None, :] < seq[:, None]
+        decodes = DecodeGroup(
+            rows=torch.tensor(decode_rows, device=device),
+            block_tables=tables[index, : -(-context // block_size)],
+            mask=mask[:, None, None, :],
+            context=context,
+        )
+    return PagedLayout(decodes, prefills)
 
 
 def write_kv(
@@ -72,35 +103,42 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def _gather(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[..., heads, length, head_dim]`` of the context in ``blocks`` (``[..., n]``)."""
+    k = kv_cache[0][blocks].flatten(-4, -3)[..., :length, :, :]
+    v = kv_cache[1][blocks].flatten(-4, -3)[..., :length, :, :]
+    return k.transpose(-3, -2).to(dtype), v.transpose(-3, -2).to(dtype)
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout, scale: float
 ) -> torch.Tensor:
     """``[T, num_heads, head_dim]`` queries -> ``[T, num_heads, head_dim]`` outputs.
 
-    Reads K and V of every request's context from ``kv_cache`` (already holding
-    this step's tokens) through its block table.
+    ``kv_cache`` must already hold this step's K and V (see :func:`write_kv`).
     """
-    _, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    num_requests, blocks_needed = layout.block_tables.shape
-    ctx = layout.max_context
-    keys = kv_cache[0][layout.block_tables].reshape(
-        num_requests, blocks_needed * block_size, num_kv_heads, head_dim
-    )[:, :ctx]
-    values = kv_cache[1][layout.block_tables].reshape(
-        num_requests, blocks_needed * block_size, num_kv_heads, head_dim
-    )[:, :ctx]
-    group = num_heads // num_kv_heads
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=2)
-        values = values.repeat_interleave(group, dim=2)
-    padded = query.new_zeros(num_requests, layout.max_query, num_heads, head_dim)
-    padded[layout.token_request, layout.token_local] = query
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        keys.to(query.dtype).transpose(1, 2),
-        values.to(query.dtype).transpose(1, 2),
-        attn_mask=layout.mask,
-        scale=scale,
-    )
-    return out.transpose(1, 2)[layout.token_request, layout.token_local]
+    out = torch.empty_like(query)
+    group = layout.decodes
+    if group is not None:
+        k, v = _gather(kv_cache, group.block_tables, group.context, query.dtype)
+        q = query[group.rows][:, :, None, :]  # [D, heads, 1, head_dim]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+        )
+        out[group.rows] = o[:, :, 0, :]
+    for chunk in layout.prefills:
+        k, v = _gather(kv_cache, chunk.blocks, chunk.seq_len, query.dtype)
+        q = query[chunk.start : chunk.end].transpose(0, 1)  # [heads, new, head_dim]
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[chunk.start : chunk.end] = o.transpose(0, 1)
+    return out
