@@ -1,0 +1,7 @@
+"""The model layer: Qwen2-VL checkpoints, the built-in tiny model, input processing.
+
+Entry points live in :mod:`ec_frontend.model.loader` (``load_model``,
+``load_processor``, ``ensure_builtin_checkpoint``); the runner's contract is
+:mod:`ec_frontend.model.interface`. Nothing is imported here, so importing the
+package stays cheap.
+"""
