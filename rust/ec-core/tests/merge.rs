@@ -120,7 +120,8 @@ fn canonical_json_is_order_free() {
 #[test]
 fn data_urls_and_hashes() {
     let png = "data:image/png;base64,aGVsbG8=";
-    let rows: &[(&str, Result<(&str, &[u8]), &str>)] = &[
+    type Decoded<'a> = Result<(&'a str, &'a [u8]), &'a str>;
+    let rows: &[(&str, Decoded<'_>)] = &[
         (png, Ok(("image/png", b"hello"))),
         ("data:image/png;base64,aGVsbG8", Ok(("image/png", b"hello"))),
         (
