@@ -75,6 +75,9 @@ def test_model_attributes(model, processor):
 def test_bfloat16_on_cpu_tracks_float32(builtin_model_dir, model, driver):
     bf16 = load_model(builtin_model_dir, device="cpu", dtype="bfloat16")
     assert bf16.dtype == torch.bfloat16 and bf16.kv_cache_spec().dtype == torch.bfloat16
+    assert bf16.language.rotary.inv_freq.dtype == torch.float32
+    assert bf16.vision.rotary_pos_emb.inv_freq.dtype == torch.float32
+    assert bf16.vision.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
     spec = bf16.kv_cache_spec()
     paged = driver(bf16, block_size=4, num_blocks=16)
     paged.kv_caches = [t.to(torch.bfloat16) for t in paged.kv_caches]

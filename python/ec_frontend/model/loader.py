@@ -171,7 +171,7 @@ def load_model(
     if vision is not None:
         if not dummy:
             _load_into(vision, weights["vision"], "vision tower")
-        vision = vision.to(device=target_device, dtype=target_dtype).eval()
+        vision = _to_keeping_float32_rope(vision, target_device, target_dtype)
     if language is not None:
         if not dummy:
             lm_weights = weights["language"]
@@ -195,6 +195,23 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
     directory = Path(path)
     config = load_config(directory)
     return InputProcessor.from_pretrained(directory, config, model_id=model_id)
+
+
+def _to_keeping_float32_rope(
+    module: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """``module.to(device, dtype)``, except rotary ``inv_freq`` buffers stay float32."""
+    saved = {
+        name: buf.detach().float().clone()
+        for name, buf in module.named_buffers()
+        if name.endswith("inv_freq")
+    }
+    module = module.to(device=device, dtype=dtype).eval()
+    for name, buf in saved.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        setattr(owner, attr, buf.to(device))
+    return module
 
 
 def _weight_files(directory: Path) -> list[Path]:

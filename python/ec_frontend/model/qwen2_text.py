@@ -79,21 +79,26 @@ class RMSNorm(nn.Module):
 
 class MRotaryEmbedding(nn.Module):
     """Multimodal RoPE: the rotary frequencies are split into temporal, height and
-    width sections, each rotated by its own row of the ``[3, T]`` positions."""
+    width sections, each rotated by its own row of the ``[3, T]`` positions.
+
+    The frequencies stay float32 whatever dtype the model is cast to.
+    """
 
     def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int]) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        component = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
-        self.register_buffer("component", component, persistent=False)
+        self.inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        )
+        self.component = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """``[3, T]`` positions -> ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
-        inv_freq = self.inv_freq.float()
-        freqs = positions.float()[..., None] * inv_freq  # [3, T, head_dim / 2]
-        index = self.component.to(positions.device)
-        freqs = freqs.gather(0, index.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+            self.component = self.component.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, head_dim / 2]
+        index = self.component.view(1, 1, -1).expand(1, freqs.shape[1], -1)
+        freqs = freqs.gather(0, index)[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
