@@ -1,7 +1,8 @@
 """A snapshot of an engine's counters and gauges, named as in DESIGN 4.8.
 
-Counters are totals since start; gauges are values at the snapshot. The server
-exports them as ``ec_frontend_<name>`` (counters with ``_total``).
+Counters end in ``_total`` (totals since start); every other field is a gauge
+(its value at the snapshot). The server exports each field as
+``ec_frontend_<name>``.
 """
 
 from __future__ import annotations
@@ -13,29 +14,27 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     # counters
-    encoder_items_computed: int = 0
-    encoder_cache_hits: int = 0
-    ec_items_loaded: int = 0
-    ec_items_saved: int = 0
-    ec_load_fallbacks: int = 0
-    prompt_tokens_computed: int = 0
-    kv_tokens_received: int = 0
-    generation_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    lm_forward_calls: int = 0
-    encoder_forward_calls: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
+    encoder_items_computed_total: int = 0
+    encoder_cache_hits_total: int = 0
+    ec_items_loaded_total: int = 0
+    ec_items_saved_total: int = 0
+    ec_load_fallbacks_total: int = 0
+    prompt_tokens_computed_total: int = 0
+    kv_tokens_received_total: int = 0
+    generation_tokens_total: int = 0
+    preemptions_total: int = 0
+    engine_steps_total: int = 0
+    lm_forward_calls_total: int = 0
+    encoder_forward_calls_total: int = 0
+    requests_finished_total: int = 0
+    requests_failed_total: int = 0
     # gauges
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_cache_usage: float = 0.0
     encoder_cache_usage: float = 0.0
-
-    #: Names of the fields that are gauges; every other field is a counter.
-    GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage",
-              "encoder_cache_usage")  # fmt: skip
+    kv_blocks_used: int = 0
+    encoder_cache_refs: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
