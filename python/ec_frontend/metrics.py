@@ -81,6 +81,8 @@ class Counter:
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} counter"
+        if not self.labelnames and not self.values:
+            yield f"{self.name} 0"
         for labels, value in sorted(self.values.items()):
             yield f"{self.name}{_labels(self.labelnames, labels)} {_fmt(value)}"
 
@@ -168,10 +170,10 @@ def stats_items(stats: Any) -> list[tuple[str, float]]:
 
 
 def render_engine_stats(stats: Any) -> Iterable[str]:
-    """Engine counters (names ending in ``_total``) and gauges (everything else)."""
+    """Engine counters (fields ending in ``_total``) and gauges (every other field)."""
     for key, value in stats_items(stats):
-        name = key if key.startswith(PREFIX) else PREFIX + key
-        kind = "counter" if name.endswith("_total") else "gauge"
+        name = PREFIX + key
+        kind = "counter" if key.endswith("_total") else "gauge"
         yield f"# HELP {name} Engine statistic {key}."
         yield f"# TYPE {name} {kind}"
         yield f"{name} {_fmt(value)}"

@@ -26,6 +26,7 @@ STARTUP_TIMEOUT_S = 120.0
 API_KEY = "test-key"
 MAX_BODY = 4_000_000
 MOCK_MODEL = "mock-model"
+MODEL_NAME = "tiny"
 
 
 def free_port() -> int:
@@ -104,11 +105,11 @@ def mock_server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def model_server(builtin_model_dir: Path) -> Iterator[ServerProcess]:
-    """The built-in model on the CPU, with the test connector of ``ec_test_connector``."""
+    """The built-in model on the CPU, with the echo connectors of ``ec_test_connectors``."""
     here = Path(__file__).parent
     env = {
-        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-        "EC_FRONTEND_CACHE": str(builtin_model_dir.parent),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p),
+        "EC_FRONTEND_PLUGINS": "ec_test_connectors",
     }
     server = ServerProcess(
         [
@@ -119,7 +120,11 @@ def model_server(builtin_model_dir: Path) -> Iterator[ServerProcess]:
             "--max-model-len",
             "1024",
             "--served-model-name",
-            "tiny",
+            MODEL_NAME,
+            "--kv-transfer-config",
+            '{"kv_connector": "EchoKVConnector", "kv_role": "kv_both"}',
+            "--ec-transfer-config",
+            '{"ec_connector": "EchoECConnector", "ec_role": "ec_both"}',
         ],
         env=env,
     )

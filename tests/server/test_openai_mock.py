@@ -244,6 +244,7 @@ def test_responses_stream_completed(client: openai.OpenAI) -> None:
             model=MOCK_MODEL,
             input="hello there",
             temperature=0,
+            max_output_tokens=30,
             stream=True,
             extra_body={"stop": ["there"]},
         )

@@ -17,6 +17,7 @@ per-request cost to a few dictionary operations.
 from __future__ import annotations
 
 import hmac
+import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -48,7 +49,8 @@ GENERATION_ENDPOINTS: frozenset[str] = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"}
 )
 _PROTECTED_PREFIXES: tuple[str, ...] = ("/v1/", "/inference/")
-_MAX_REQUEST_ID = 256
+#: A client's X-Request-Id is used when it is 1 to 256 visible ASCII characters.
+_VALID_ID = re.compile(rb"[\x21-\x7e]{1,256}")
 
 
 class FrontState:
@@ -95,7 +97,7 @@ class FrontMiddleware:
         path: str = scope["path"]
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         rid = _header(scope, b"x-request-id")
-        if not rid or len(rid) > _MAX_REQUEST_ID or not rid.isascii() or not rid.isprintable():
+        if rid is None or _VALID_ID.fullmatch(rid) is None:
             rid = uuid.uuid4().hex.encode()
         scope["ec_request_id"] = rid.decode()
 

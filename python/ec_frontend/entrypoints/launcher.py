@@ -114,7 +114,7 @@ def serve(opts: ServeOptions) -> int:
     """Run the server until drained; the process exit code."""
     try:
         engine, model_id, max_len = build_engine(opts)
-    except (StartupError, ValueError, OSError) as exc:
+    except (StartupError, ValueError, OSError, RuntimeError, ImportError) as exc:
         log.error("cannot start: %s", exc)
         return 2
     names = opts.served_model_names or ((opts.model or model_id),)

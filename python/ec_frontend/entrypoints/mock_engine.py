@@ -118,12 +118,8 @@ class MockEngineConfig:
 
 @dataclass
 class MockStats:
-    num_requests_running: int = 0
-    num_requests_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    encoder_cache_usage: float = 0.0
-    kv_blocks_used: int = 0
-    encoder_cache_refs: int = 0
+    """Named as the engine's ``EngineStats``: counters end in ``_total``, the rest are gauges."""
+
     encoder_items_computed_total: int = 0
     encoder_cache_hits_total: int = 0
     ec_items_loaded_total: int = 0
@@ -132,6 +128,12 @@ class MockStats:
     prompt_tokens_computed_total: int = 0
     kv_tokens_received_total: int = 0
     generation_tokens_total: int = 0
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    encoder_cache_usage: float = 0.0
+    kv_blocks_used: int = 0
+    encoder_cache_refs: int = 0
 
 
 def _get(params: Any, name: str, default: Any = None) -> Any:
@@ -218,29 +220,34 @@ class MockEngine:
         kv = extra.get("kv_transfer_params")
         ec = extra.get("ec_transfer_params")
         text = ""
+        sent = 0
+        hold = max((len(s) for s in stops), default=1) - 1
         delay = self.config.token_latency_s
         for i in range(max_tokens):
             await asyncio.sleep(delay)
             if request_id in self._aborted:
-                yield RequestOutput(request_id, prompt, [], "", True, "abort")
+                yield RequestOutput(request_id, prompt, [], text[sent:], True, "abort")
                 return
             tok = rng.choice(prompt) if sampled else prompt[i % len(prompt)]
-            piece = chr(tok)
             finish: str | None = None
             stop_reason: str | int | None = None
+            end = len(text)
             if tok in stop_ids:
-                finish, stop_reason, piece = "stop", tok, ""
+                finish, stop_reason = "stop", tok
             else:
                 before = len(text)
-                text += piece
+                text += chr(tok)
+                end = len(text)
                 for s in stops:
                     at = text.find(s, max(0, before - len(s) + 1))
                     if at >= 0:
-                        finish, stop_reason = "stop", s
-                        piece = text[before:at]
+                        finish, stop_reason, end = "stop", s, at
                         break
             if finish is None and i == max_tokens - 1:
                 finish = "length"
+            if finish is None:
+                end = max(sent, len(text) - hold)
+            piece, sent = text[sent:end], end
             self._stats.generation_tokens_total += 1
             self._running[request_id] = math.ceil((plen + i + 1) / BLOCK_SIZE)
             out = RequestOutput(request_id, prompt, [tok], piece, finish is not None, finish)

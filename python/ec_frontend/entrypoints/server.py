@@ -134,7 +134,9 @@ class App:
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def parse(self, request: Request, endpoint: str) -> tuple[RequestContext, ParsedRequest]:
+    async def parse(
+        self, request: Request, endpoint: str
+    ) -> tuple[RequestContext, ParsedRequest, bytes]:
         body = await self.read_body(request)
         if len(body) > _THREAD_PARSE_BYTES:
             parsed = await asyncio.to_thread(
@@ -146,7 +148,7 @@ class App:
             )
         model = self.serving.check_model(parsed.model)
         ctx = RequestContext(request.scope["ec_request_id"], model, tokenizer=self.tokenizer)
-        return ctx, parsed
+        return ctx, parsed, body
 
     # ---------------------------------------------------------------- output
 
@@ -185,7 +187,7 @@ class App:
     # --------------------------------------------------------------- routes
 
     async def chat(self, request: Request) -> Response:
-        ctx, parsed = await self.parse(request, "chat")
+        ctx, parsed, _ = await self.parse(request, "chat")
         jobs = await self.serving.make_jobs(parsed, ctx.request_id)
         ids = f"chatcmpl-{ctx.request_id}"
         if parsed.stream:
@@ -195,7 +197,7 @@ class App:
         return self.json(chat_body(ctx, choices, self.serving.usage(choices), ids))
 
     async def completions(self, request: Request) -> Response:
-        ctx, parsed = await self.parse(request, "completions")
+        ctx, parsed, _ = await self.parse(request, "completions")
         jobs = await self.serving.make_jobs(parsed, ctx.request_id)
         ids = f"cmpl-{ctx.request_id}"
         if parsed.stream:
@@ -206,7 +208,7 @@ class App:
         return self.json(completion_body(ctx, choices, usage, ids, parsed.echo))
 
     async def responses(self, request: Request) -> Response:
-        ctx, parsed = await self.parse(request, "responses")
+        ctx, parsed, _ = await self.parse(request, "responses")
         jobs = await self.serving.make_jobs(parsed, ctx.request_id)
         resp_id = f"resp_{ctx.request_id}"
         if parsed.stream:
@@ -216,7 +218,7 @@ class App:
         return self.json(response_body(self.serving, ctx, parsed, choices[0], resp_id))
 
     async def generate(self, request: Request) -> Response:
-        ctx, parsed = await self.parse(request, "generate")
+        ctx, parsed, body = await self.parse(request, "generate")
         if parsed.n != 1:
             raise APIError(
                 400,
@@ -226,7 +228,7 @@ class App:
             )
         rid = parsed.request_id or ctx.request_id
         jobs = await self.serving.make_jobs(parsed, rid)
-        with_text = bool(parsed.sampling.get("detokenize", False))
+        with_text = _asks_for_text(parsed, body)
         if parsed.stream:
             return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid, with_text))
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
@@ -256,6 +258,16 @@ class App:
         return Response(
             render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+
+def _asks_for_text(parsed: ParsedRequest, body: bytes) -> bool:
+    """Generate: ``sampling_params.detokenize: true`` adds ``text`` to each choice.
+
+    The parser lists the field as unknown; only then is its value read from the body.
+    """
+    if "sampling_params.detokenize" not in parsed.unknown_fields:
+        return False
+    return orjson.loads(body).get("sampling_params", {}).get("detokenize") is True
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,0 +1,93 @@
+"""The model-backed engine for ``ec-frontend serve`` (everything but ``--mock-engine``)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ec_frontend.engine.config import (
+    ConfigError,
+    ECTransferConfig,
+    EngineConfig,
+    KVTransferConfig,
+    SchedulerConfig,
+)
+
+if TYPE_CHECKING:
+    from ec_frontend.entrypoints.launcher import ServeOptions
+
+log = logging.getLogger("ec_frontend.server")
+
+#: Comma-separated modules imported before the engine starts (connector plugins
+#: call ``ec_frontend.connectors.factory.register_*_connector`` when imported).
+PLUGINS_ENV = "EC_FRONTEND_PLUGINS"
+
+
+def load_plugins() -> list[str]:
+    """Import the modules named in ``$EC_FRONTEND_PLUGINS``; their names."""
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        importlib.import_module(name)
+    return names
+
+
+def _dtype(opts: ServeOptions) -> str:
+    if opts.dtype != "auto":
+        return opts.dtype
+    device = opts.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
+    """The engine config and the checkpoint directory for ``opts``."""
+    from ec_frontend.model.builtin import BUILTIN_MODEL_ID, ensure_builtin_checkpoint
+    from ec_frontend.model.loader import load_config
+
+    if opts.model is None:
+        path = ensure_builtin_checkpoint()
+        model_id = BUILTIN_MODEL_ID
+    else:
+        path = Path(opts.model)
+        model_id = path.resolve().name
+    hf = load_config(path)
+    model_max = int(hf.text_config.max_position_embeddings)
+    max_len = opts.max_model_len or min(model_max, 4096)
+    if max_len > model_max:
+        raise ConfigError(
+            f"--max-model-len {max_len} exceeds the model's {model_max} positions", "max_model_len"
+        )
+    sched: dict[str, Any] = {"max_model_len": max_len}
+    if opts.max_num_seqs is not None:
+        sched["max_num_seqs"] = opts.max_num_seqs
+    config = EngineConfig(
+        model=str(path),
+        model_id=model_id,
+        device=opts.device,
+        dtype=_dtype(opts),
+        scheduler=SchedulerConfig(**sched),
+        ec_transfer=(
+            ECTransferConfig.from_json(opts.ec_transfer_config) if opts.ec_transfer_config else None
+        ),
+        kv_transfer=(
+            KVTransferConfig.from_json(opts.kv_transfer_config) if opts.kv_transfer_config else None
+        ),
+    )
+    return config, str(path)
+
+
+def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
+    """``(AsyncEngine, model_id, max_model_len)``; raises ``ValueError`` on bad options."""
+    from ec_frontend.engine.async_engine import AsyncEngine
+
+    load_plugins()
+    config, path = engine_config(opts)
+    log.info("loading %s (%s, %s)", path, config.device or "auto device", config.dtype)
+    engine = AsyncEngine.from_config(config)
+    return engine, config.model_id, config.scheduler.max_model_len
