@@ -12,6 +12,8 @@ use crate::value::Value;
 
 /// Largest `n` accepted (one request fans out into at most this many sequences).
 pub const MAX_N: i64 = 128;
+/// Below this temperature sampling is greedy (vLLM's `_SAMPLING_EPS`).
+pub const GREEDY_EPS: f64 = 1e-5;
 /// Largest number of top logprobs per token.
 pub const MAX_LOGPROBS: i64 = 20;
 
@@ -110,6 +112,12 @@ pub fn sampling_params(
             .enumerate()
             .map(|(i, t)| token_id(t, &path.index(i)))
             .collect::<Result<_>>()?;
+    }
+    if p.temperature < GREEDY_EPS {
+        // Greedy decoding: vLLM's SamplingParams switches the truncations off.
+        p.top_p = 1.0;
+        p.top_k = 0;
+        p.min_p = 0.0;
     }
     p.ignore_eos = opt_bool(fields, F::IgnoreEos, at, false)?;
     p.skip_special_tokens = opt_bool(fields, F::SkipSpecialTokens, at, true)?;

@@ -19,6 +19,7 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":null}"#.into(), "/sampling/temperature", json!(1.0)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0}"#.into(), "/sampling/temperature", json!(0.0)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"top_k":-1}"#.into(), "/sampling/top_k", json!(0)),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0,"top_k":5,"top_p":0.5,"min_p":0.2}"#.into(), "/sampling", json!({"max_tokens": null, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop": [], "stop_token_ids": [], "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": null, "prompt_logprobs": null, "ignore_eos": false, "skip_special_tokens": true, "include_stop_str_in_output": false, "extra_args": null})),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"top_k":40}"#.into(), "/sampling/top_k", json!(40)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"stop":"END"}"#.into(), "/sampling/stop", json!(["END"])),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"stop":["a","b"]}"#.into(), "/sampling/stop", json!(["a", "b"])),
