@@ -12,11 +12,10 @@ from ec_frontend.connectors.noop import NoOpECConnector, NoOpKVConnector
 def test_bound_always_clears(fail: bool) -> None:
     conn = NoOpECConnector(None, ECConnectorRole.WORKER)
     meta = ECConnectorMetadata([ECLoadSpec("ab", 1, "r")])
-    with pytest.raises(RuntimeError) if fail else _null():
-        with conn.bound(meta):
-            assert conn.metadata is meta
-            if fail:
-                raise RuntimeError("step failed")
+    with pytest.raises(RuntimeError) if fail else _null(), conn.bound(meta):
+        assert conn.metadata is meta
+        if fail:
+            raise RuntimeError("step failed")
     with pytest.raises(RuntimeError, match="not bound"):
         _ = conn.metadata
 

@@ -1,4 +1,5 @@
-"""ECSharedStorageConnector on real files: round trip, misses, concurrency, containment, capacity."""
+"""ECSharedStorageConnector on real files: round trip, misses, concurrency, containment,
+capacity."""
 
 from __future__ import annotations
 
@@ -233,7 +234,8 @@ def test_request_finished_names_stored_items(tmp_path: Path, h_engine: Any) -> N
 @pytest.mark.parametrize(
     ("config", "error"),
     [
-        ({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer"}, "shared_storage_path"),
+        ({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_producer"},
+         "shared_storage_path"),
         ({"ec_connector": "Nope", "ec_role": "ec_producer"}, "unknown EC connector"),
         ({"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
           "ec_connector_extra_config": {"shared_storage_path": "/tmp/x", "max_items": 0}},
