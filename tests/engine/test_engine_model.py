@@ -1,0 +1,352 @@
+"""EngineCore on the built-in model: encoder cache, E -> PD over shared storage,
+continuous batching, preemption, stop strings and resilience."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ec_frontend.connectors.base import ECConnectorRole
+from ec_frontend.connectors.shared_storage import ECSharedStorageConnector
+from ec_frontend.engine.config import ECTransferConfig
+from ec_frontend.engine.core import EngineCore
+from ec_frontend.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def storage(path: Path, role: str) -> dict[str, Any]:
+    return {
+        "ec_connector": "ECSharedStorageConnector",
+        "ec_role": role,
+        "ec_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+
+
+def test_same_image_twice_is_encoded_once(make_engine: Any, processor: Any, h: Any,
+                                          greedy: Any) -> None:  # fmt: skip
+    core, model = make_engine()
+    img = h.image_media(1)
+    core.add_request("a", h.chat_inputs(processor, "first", [img]), greedy())
+    core.add_request("b", h.chat_inputs(processor, "second", [img]), greedy())
+    core.add_request("c", h.chat_inputs(processor, "twice", [img, img]), greedy())
+    results = h.run_to_completion(core)
+    assert {r.finish_reason for r in results.values()} == {"length"}
+    stats = core.stats()
+    assert stats.encoder_items_computed_total == 1
+    assert stats.encoder_cache_hits_total == 2
+    assert model.calls["encode"] == 1
+    h.assert_no_leaks(core)
+
+
+def test_small_encoder_cache_evicts_and_runner_drops_freed(
+    make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    # Each 112x112 image is 16 rows; the cache holds two.
+    core, _ = make_engine(encoder_cache_size=32, encoder_compute_budget=32)
+    images = [h.image_media(10 + i) for i in range(4)]
+    for i, img in enumerate(images):
+        core.add_request(f"r{i}", h.chat_inputs(processor, "x", [img]), greedy(2))
+        h.run_to_completion(core)
+    held = set(core.runner.encoder_cache)
+    assert held == {m.mm_hash for m in images if core.encoder_cache.contains(m.mm_hash)}
+    assert len(held) == 2 and images[0].mm_hash not in held
+    # Evicted items are encoded again when needed.
+    core.add_request("again", h.chat_inputs(processor, "x", [images[0]]), greedy(2))
+    h.run_to_completion(core)
+    assert core.stats().encoder_items_computed_total == 5
+    h.assert_no_leaks(core)
+
+
+def test_encoder_only_allocates_no_kv_and_never_calls_the_lm(
+    make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+) -> None:
+    core, model = make_engine(ec=storage(tmp_path, "ec_producer"))
+    assert core.encoder_only and core.kv_cache is None and core.runner.kv_caches == []
+    imgs = [h.image_media(20), h.image_media(21)]
+    core.add_request("two", h.chat_inputs(processor, "x", imgs), greedy())
+    core.add_request("text", h.chat_inputs(processor, "only text", []), greedy())
+    results = h.run_to_completion(core)
+    assert model.calls == {"encode": 1, "embed": 0, "forward": 0, "logits": 0}
+    two = results["two"]
+    assert two.finished and two.token_ids == [] and two.text == ""
+    assert two.ec_transfer_params == {m.mm_hash: {"num_tokens": 16} for m in imgs}
+    assert results["text"].ec_transfer_params is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{m.mm_hash}.safetensors" for m in imgs
+    )
+    stats = core.stats()
+    assert stats.ec_items_saved_total == 2 and stats.prompt_tokens_computed_total == 0
+    assert stats.generation_tokens_total == 0 and stats.lm_forward_calls_total == 0
+    h.assert_no_leaks(core)
+
+
+def test_encoder_only_from_config_loads_no_language_model(
+    builtin_model_dir: Path, tmp_path: Path, h: Any
+) -> None:
+    config = dataclasses.replace(
+        h.engine_config(ec=storage(tmp_path, "ec_producer")), model=str(builtin_model_dir)
+    )
+    core, _ = EngineCore.from_config(config)
+    assert core.model.language is None and core.model.vision is not None
+    assert core.kv_cache is None
+
+
+PROMPTS = {
+    "text-only": ("tell me a story", 0),
+    "one-image": ("what is in the picture?", 1),
+    "two-images": ("compare the pictures", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_aggregated_and_disaggregated_agree(
+    case: str, make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+) -> None:
+    text, num_images = PROMPTS[case]
+    images = [h.image_media(30 + i) for i in range(num_images)]
+    inputs = h.chat_inputs(processor, text, images)
+
+    agg, _ = make_engine()
+    agg.add_request("r", inputs, greedy(10))
+    want = h.run_to_completion(agg)["r"]
+
+    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
+    enc.add_request("r", inputs, greedy(10))
+    ec_params = h.run_to_completion(enc)["r"].ec_transfer_params
+
+    pd, pd_model = make_engine(ec=storage(tmp_path, "ec_consumer"))
+    pd.add_request("r", inputs, greedy(10, extra_args={"ec_transfer_params": ec_params}))
+    got = h.run_to_completion(pd)["r"]
+
+    assert len(want.token_ids) == 10
+    assert got.token_ids == want.token_ids
+    assert got.text == want.text
+    assert pd_model.calls["encode"] == 0
+    assert pd.stats().ec_items_loaded_total == num_images
+    assert pd.stats().ec_load_fallbacks_total == 0
+    h.assert_no_leaks(pd)
+
+
+def test_consumer_without_pixels_loads_from_storage(
+    make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+) -> None:
+    inputs = h.chat_inputs(processor, "look", [h.image_media(40)])
+    agg, _ = make_engine()
+    agg.add_request("r", inputs, greedy())
+    want = h.run_to_completion(agg)["r"].token_ids
+    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
+    enc.add_request("r", inputs, greedy())
+    h.run_to_completion(enc)
+    feats = inputs.mm_features
+    generate = processor.process_generate(
+        inputs.prompt_token_ids,
+        {
+            "mm_hashes": [f.mm_hash for f in feats],
+            "mm_placeholders": [{"offset": f.offset, "length": f.length} for f in feats],
+            "mm_grid_thw": [list(f.image_grid_thw) for f in feats],
+        },
+    )
+    assert generate.mm_features[0].pixel_values is None
+    pd, _ = make_engine(ec=storage(tmp_path, "ec_consumer"))
+    pd.add_request("r", generate, greedy())
+    assert h.run_to_completion(pd)["r"].token_ids == want
+
+
+def test_corrupt_file_falls_back_to_local_encoding(
+    make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+) -> None:
+    img = h.image_media(50)
+    inputs = h.chat_inputs(processor, "look", [img])
+    agg, _ = make_engine()
+    agg.add_request("r", inputs, greedy())
+    want = h.run_to_completion(agg)["r"].token_ids
+    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
+    enc.add_request("r", inputs, greedy())
+    h.run_to_completion(enc)
+    path = tmp_path / f"{img.mm_hash}.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+
+    pd, pd_model = make_engine(ec=storage(tmp_path, "ec_consumer"))
+    pd.add_request("r", inputs, greedy())
+    assert h.run_to_completion(pd)["r"].token_ids == want
+    stats = pd.stats()
+    assert stats.ec_load_fallbacks_total == 1
+    assert stats.ec_items_loaded_total == 0
+    assert stats.encoder_items_computed_total == 1 and pd_model.calls["encode"] == 1
+    h.assert_no_leaks(pd)
+
+
+class SlowLoadConnector(ECSharedStorageConnector):
+    """Loads on a background thread after a delay, and waits for it before returning."""
+
+    DELAY_S = 0.3
+
+    def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
+        super().__init__(config, role)
+        self.loaded_at: float | None = None
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        def slow() -> None:
+            time.sleep(self.DELAY_S)
+            ECSharedStorageConnector.start_load_caches(self, encoder_cache)
+            self.loaded_at = time.monotonic()
+
+        worker = threading.Thread(target=slow)
+        worker.start()
+        worker.join()
+
+
+def test_slow_consumer_load_completes_before_embeddings_are_gathered(
+    make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+) -> None:
+    inputs = h.chat_inputs(processor, "look", [h.image_media(60)])
+    agg, _ = make_engine()
+    agg.add_request("r", inputs, greedy())
+    want = h.run_to_completion(agg)["r"].token_ids
+    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
+    enc.add_request("r", inputs, greedy())
+    h.run_to_completion(enc)
+
+    config = ECTransferConfig.from_json(storage(tmp_path, "ec_consumer"))
+    sched_side = SlowLoadConnector(config, ECConnectorRole.SCHEDULER)
+    worker_side = SlowLoadConnector(config, ECConnectorRole.WORKER)
+    model = h.CountingModel(agg.model.inner)
+    gathered_at: list[float] = []
+    model.on_forward = lambda: gathered_at.append(time.monotonic())
+    pd = EngineCore(
+        h.engine_config(ec=storage(tmp_path, "ec_consumer")),
+        model,
+        tokenizer=processor.tokenizer,
+        ec_connectors=(sched_side, worker_side),
+    )
+    pd.add_request("r", inputs, greedy())
+    assert h.run_to_completion(pd)["r"].token_ids == want
+    assert worker_side.loaded_at is not None
+    assert worker_side.loaded_at < gathered_at[0]
+    assert pd.stats().ec_items_loaded_total == 1 and model.calls["encode"] == 0
+
+
+def test_concurrent_requests_share_each_forward(
+    make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    prompts = [h.chat_inputs(processor, f"story number {i}", []) for i in range(4)]
+    alone = []
+    for i, inputs in enumerate(prompts):
+        core, _ = make_engine()
+        core.add_request(f"r{i}", inputs, greedy(8))
+        alone.append(h.run_to_completion(core)[f"r{i}"].token_ids)
+
+    core, model = make_engine()
+    for i, inputs in enumerate(prompts):
+        core.add_request(f"r{i}", inputs, greedy(8))
+    results = h.run_to_completion(core)
+    # One prefill step for all four, then seven decode steps of four requests each.
+    assert model.forward_batch_sizes == [4] * 8
+    assert core.stats().lm_forward_calls_total == 8
+    assert [results[f"r{i}"].token_ids for i in range(4)] == alone
+
+
+def test_preemption_recomputes_to_the_same_tokens(
+    make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    inputs = [h.chat_inputs(processor, f"picture {i}", [h.image_media(70 + i)]) for i in range(3)]
+    roomy, _ = make_engine()
+    for i, x in enumerate(inputs):
+        roomy.add_request(f"r{i}", x, greedy(40))
+    want = {k: v.token_ids for k, v in h.run_to_completion(roomy).items()}
+
+    tight, _ = make_engine(num_kv_blocks=12, max_model_len=128)  # 11 usable blocks of 16
+    for i, x in enumerate(inputs):
+        tight.add_request(f"r{i}", x, greedy(40))
+    got = {k: v.token_ids for k, v in h.run_to_completion(tight).items()}
+    assert tight.stats().preemptions_total > 0
+    assert got == want
+    h.assert_no_leaks(tight)
+
+
+def test_stop_strings_cut_the_text(make_engine: Any, processor: Any, h: Any, greedy: Any) -> None:
+    inputs = h.chat_inputs(processor, "say something long", [])
+    core, _ = make_engine()
+    core.add_request("full", inputs, greedy(24))
+    full = h.run_to_completion(core)["full"].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert len(stop) == 3
+    cut = full.index(stop)
+    for rid, include in (("ex", False), ("in", True)):
+        params = greedy(24, stop=[stop], include_stop_str_in_output=include)
+        core.add_request(rid, inputs, params)
+    results = h.run_to_completion(core)
+    assert results["ex"].text == full[:cut]
+    assert results["in"].text == full[: cut + len(stop)]
+    for rid in ("ex", "in"):
+        assert results[rid].finish_reason == "stop" and results[rid].stop_reason == stop
+        assert len(results[rid].token_ids) < 24
+    h.assert_no_leaks(core)
+
+
+def test_seeded_sampling_is_reproducible(make_engine: Any, processor: Any, h: Any) -> None:
+    inputs = h.chat_inputs(processor, "random", [])
+
+    def run(seed: int, neighbours: int) -> list[int]:
+        core, _ = make_engine()
+        params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=seed,
+                                ignore_eos=True)  # fmt: skip
+        core.add_request("r", inputs, params)
+        for i in range(neighbours):
+            core.add_request(f"n{i}", inputs, SamplingParams(max_tokens=12, temperature=1.0))
+        return h.run_to_completion(core)["r"].token_ids
+
+    first = run(7, 0)
+    assert run(7, 3) == first
+    assert run(8, 0) != first
+
+
+def test_failures_stay_with_their_request(
+    make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    core, _ = make_engine()
+    good_img = h.chat_inputs(processor, "fine", [h.image_media(80)])
+    broken = h.chat_inputs(processor, "broken", [h.image_media(81)])
+    feature = broken.mm_features[0]
+    feature.pixel_values = feature.pixel_values[:-3]  # patches no longer match the grid
+    bad_ids = dataclasses.replace(h.chat_inputs(processor, "ids", []))
+    bad_ids.prompt_token_ids = [*bad_ids.prompt_token_ids, core.model.vocab_size + 5]
+
+    core.add_request("good-image", good_img, greedy(6))
+    core.add_request("bad-image", broken, greedy(6))
+    core.add_request("bad-ids", bad_ids, greedy(6))
+    core.add_request("good-text", h.chat_inputs(processor, "text", []), greedy(6))
+    core.add_request("aborted", h.chat_inputs(processor, "long", []), greedy(50))
+    results: dict[str, Any] = {}
+    for step in range(200):
+        if not core.has_work():
+            break
+        if step == 3:
+            core.abort("aborted")
+        for out in core.step():
+            if out.request_id in results:
+                results[out.request_id].add(out)
+            else:
+                results[out.request_id] = out
+    reasons = {k: v.finish_reason for k, v in results.items()}
+    assert reasons == {
+        "good-image": "length",
+        "good-text": "length",
+        "bad-image": "error",
+        "bad-ids": "error",
+        "aborted": "abort",
+    }
+    assert "could not be encoded" in results["bad-image"].error
+    assert "outside the vocabulary" in results["bad-ids"].error
+    assert 0 < len(results["aborted"].token_ids) < 50
+    assert len(results["good-image"].token_ids) == 6
+    stats = core.stats()
+    assert stats.requests_failed_total == 2
+    h.assert_no_leaks(core)
+    assert stats.kv_blocks_used == 0 and stats.encoder_cache_refs == 0
