@@ -1,0 +1,82 @@
+"""Sampler: greedy, truncations, seeds, penalties and logprobs on hand-made logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from ec_frontend.engine.sampler import Sampler, SamplingRow, make_generator
+from ec_frontend.engine.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0]])
+
+
+def row(
+    generator: torch.Generator | None = None, out: tuple[int, ...] = (), **kw: Any
+) -> SamplingRow:
+    return SamplingRow(SamplingParams(**kw), generator, [0], list(out))
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        ({"temperature": 0.0}, {1}),
+        ({"temperature": 1.0, "top_k": 1}, {1}),
+        ({"temperature": 1.0, "top_k": 2}, {1, 3}),
+        ({"temperature": 1.0, "top_p": 0.01}, {1}),
+        ({"temperature": 1.0, "top_p": 0.6}, {1, 3}),
+        ({"temperature": 1.0, "min_p": 0.5}, {1, 3}),
+        ({"temperature": 1.0, "min_p": 0.95}, {1}),
+        ({"temperature": 0.0, "repetition_penalty": 2.0, "out": (1,)}, {3}),
+        ({"temperature": 0.0, "frequency_penalty": 1.0, "out": (1,)}, {3}),
+        (
+            {"temperature": 0.0, "presence_penalty": 2.0, "frequency_penalty": 0.5, "out": (1, 3)},
+            {2},
+        ),
+        ({"temperature": 0.0, "frequency_penalty": 0.1, "out": (1,)}, {1}),
+    ],
+)
+def test_truncations_and_penalties(params: dict[str, Any], allowed: set[int]) -> None:
+    out = params.pop("out", ())
+    sampler = Sampler()
+    seen = set()
+    for seed in range(40):
+        tokens, _ = sampler(LOGITS, [row(make_generator(seed, torch.device("cpu")), out, **params)])
+        seen.add(tokens[0])
+    assert seen <= allowed
+    if len(allowed) > 1:
+        assert seen == allowed
+
+
+def test_seeded_rows_do_not_depend_on_neighbours() -> None:
+    sampler = Sampler()
+    logits = torch.randn(1, 100)
+
+    def draw(neighbours: int) -> list[int]:
+        gen = make_generator(123, torch.device("cpu"))
+        picked = []
+        for _ in range(10):
+            rows = [row(gen, temperature=1.0)] + [row(temperature=1.0)] * neighbours
+            tokens, _ = sampler(logits.expand(1 + neighbours, -1), rows)
+            picked.append(tokens[0])
+        return picked
+
+    assert draw(0) == draw(5)
+    assert len(set(draw(0))) > 1
+
+
+def test_logprobs_rank_and_top() -> None:
+    tokens, lps = Sampler()(LOGITS, [row(temperature=0.0, logprobs=2), row(temperature=0.0)][:1])
+    lp = lps[0]
+    assert lp is not None and lp.token_id == tokens[0] == 1 and lp.rank == 1
+    want = torch.log_softmax(LOGITS[0], -1)
+    assert lp.logprob == pytest.approx(float(want[1]))
+    assert [t for t, _ in lp.top] == [1, 3]
+    _, none = Sampler()(LOGITS, [row(temperature=0.0)])
+    assert none == [None]
+
+
+def test_row_count_must_match() -> None:
+    with pytest.raises(ValueError, match="sampling rows"):
+        Sampler()(LOGITS, [])

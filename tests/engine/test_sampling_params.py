@@ -1,0 +1,48 @@
+"""SamplingParams: built from the parser's normalized dict, validated with parameter names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ec_frontend.engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+def test_from_dict_takes_defaults_for_none() -> None:
+    params = SamplingParams.from_dict(
+        {"max_tokens": None, "temperature": None, "stop": ("a",), "seed": 3, "extra_args": None}
+    )
+    assert params.max_tokens is None and params.temperature == 1.0
+    assert params.stop == ["a"] and params.seed == 3 and params.extra_args is None
+
+
+@pytest.mark.parametrize(
+    ("values", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [1, -5]}, "stop_token_ids[1]"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"extra_args": [1]}, "extra_args"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_invalid_values_name_the_parameter(values: dict[str, Any], param: str) -> None:
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams.from_dict(values)
+    assert info.value.param == param
+
+
+def test_greedy_and_penalties_flags() -> None:
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
