@@ -5,7 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 create_exception!(
-    _core,
+    ec_frontend._core,
     RequestError,
     PyValueError,
     "A request that cannot be served as sent; `.param`, `.message` and `.code` say why."
