@@ -156,8 +156,11 @@ pub fn sampling_params(
             }
             Some(k)
         }
+        // As vLLM: an echoed chat prompt gets `top_logprobs` prompt logprobs (0 when the
+        // field is absent, none when it is an explicit null).
         None if echo => match style {
-            LogprobStyle::Chat => top_logprobs.map(|k| k as i32),
+            LogprobStyle::Chat if matches!(fields.raw(F::TopLogprobs), Some(Value::Null)) => None,
+            LogprobStyle::Chat => Some(top_logprobs.unwrap_or(0) as i32),
             _ => p.logprobs.map(|k| k as i32),
         },
         None => None,
