@@ -151,10 +151,12 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if core.has_work():
-                    for output in core.step():
-                        self._deliver(output)
+                    outputs = core.step()
+                    # Snapshot first: a client that saw an output finds it counted.
                     with self._lock:
                         self._stats = core.stats()
+                    for output in outputs:
+                        self._deliver(output)
                 else:
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
