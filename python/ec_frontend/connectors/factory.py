@@ -21,10 +21,12 @@ _EC_CONNECTORS: dict[str, str] = {
     "ECSharedStorageConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
     "ECExampleConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
     "NoOpECConnector": "ec_frontend.connectors.noop:NoOpECConnector",
+    "ECSideChannelConnector": "ec_frontend.connectors.ec_side_channel:ECSideChannelConnector",
 }
 
 _KV_CONNECTORS: dict[str, str] = {
     "NoOpKVConnector": "ec_frontend.connectors.noop:NoOpKVConnector",
+    "KVSideChannelConnector": "ec_frontend.connectors.kv_side_channel:KVSideChannelConnector",
 }
 
 

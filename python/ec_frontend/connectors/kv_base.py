@@ -30,6 +30,19 @@ class KVConnectorMetadata:
     """What the worker half needs for one step; connectors subclass it."""
 
 
+@dataclass(slots=True)
+class KVLoadResult:
+    """How an asynchronous load ended, for the scheduler (see ``get_load_result``).
+
+    ``error`` set: the load failed and the request fails with that message.
+    ``first_token_id`` set: the remote prefill also sampled the token after the
+    prompt; the request continues from it without computing any prompt token.
+    """
+
+    error: str | None = None
+    first_token_id: int | None = None
+
+
 class KVConnectorBase(ABC):
     """Base of all KV connectors."""
 
@@ -46,8 +59,10 @@ class KVConnectorBase(ABC):
     ) -> tuple[int, bool]:
         """``(num_tokens, load_async)``: prompt tokens past ``num_computed_tokens``
         whose KV can be loaded. ``load_async`` True parks the request until
-        :meth:`get_finished` reports it received. The scheduler never loads the
-        last prompt token (it must be computed to sample)."""
+        :meth:`get_finished` reports it received. A synchronous load never covers
+        the last prompt token (it must be computed to sample); an asynchronous
+        one may cover the whole prompt when :meth:`get_load_result` then hands
+        over the token sampled after it."""
 
     @abstractmethod
     def update_state_after_alloc(
@@ -65,6 +80,14 @@ class KVConnectorBase(ABC):
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)``. With ``delay_free`` the blocks stay
         allocated until :meth:`get_finished` reports the request as sent."""
+
+    def get_load_result(self, request: Request) -> KVLoadResult | None:
+        """Once :meth:`get_finished` reported ``request`` received: how its load ended.
+
+        ``None`` (the default) means the load succeeded and carried no sampled
+        token. Called once per received request.
+        """
+        return None
 
     # ---- worker side ----------------------------------------------------
 

@@ -25,7 +25,7 @@ from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutpu
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.base import ECConnectorBase
-    from ec_frontend.connectors.kv_base import KVConnectorBase
+    from ec_frontend.connectors.kv_base import KVConnectorBase, KVLoadResult
     from ec_frontend.engine.config import SchedulerConfig
     from ec_frontend.engine.encoder_cache import EncoderCacheManager
     from ec_frontend.engine.kv_cache import KVCacheManager
@@ -247,7 +247,10 @@ class Scheduler:
                 num_external, load_async = self.kv_connector.get_num_new_matched_tokens(
                     request, request.num_computed_tokens
                 )
-                num_external = max(0, min(num_external, request.num_tokens - 1))
+                # An asynchronous load may cover the whole prompt (the connector then
+                # hands over the sampled token); a synchronous one leaves the last.
+                limit = request.num_tokens if load_async else request.num_tokens - 1
+                num_external = max(0, min(num_external, limit))
             if load_async and num_external > 0:
                 if not self._allocate(request, num_external):
                     break
@@ -342,7 +345,12 @@ class Scheduler:
             if self.encoder_cache.check_and_update_cache(request, i):
                 continue
             loadable = consumer and self.ec_connector.has_cache_item(feature.mm_hash, request)
-            fits_budget = loadable or feature.length <= encoder_budget
+            # An item larger than the whole budget runs alone rather than never.
+            fits_budget = (
+                loadable
+                or feature.length <= encoder_budget
+                or encoder_budget == self.config.encoder_budget
+            )
             if not fits_budget or not self.encoder_cache.can_allocate(rows + feature.length):
                 num_new = feature.offset - start
                 break
@@ -378,9 +386,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply a step's results; returns one output per request with news."""
+        self._handle_finished_transfers(runner_output)
         outputs = self._pending_outputs
         self._pending_outputs = []
-        self._handle_finished_transfers(runner_output)
         for item in scheduler_output.scheduled:
             request = item.request
             if request.is_finished:
@@ -456,9 +464,15 @@ class Scheduler:
             if entry is None:
                 continue
             request, num_external = entry
+            result = self.kv_connector.get_load_result(request) if self.kv_connector else None
+            if result is not None and result.error is not None:
+                self._fail(request, result.error)
+                continue
             request.num_computed_tokens = num_external
             request.num_cached_tokens = num_external
             self.counters.kv_tokens_received += num_external
+            if num_external >= request.num_tokens and not self._take_remote_token(request, result):
+                continue
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         for rid in out.kv_finished_sending or ():
@@ -474,6 +488,28 @@ class Scheduler:
                 self.encoder_cache.free(request)
                 if rid not in self._kv_delayed:
                     self._release(request)
+
+    def _take_remote_token(self, request: Request, result: KVLoadResult | None) -> bool:
+        """The whole prompt's KV arrived: continue from the token the remote prefill
+        sampled (or recompute the last prompt token when none came). False when
+        that token finished the request."""
+        token = result.first_token_id if result is not None else None
+        if token is None:
+            request.num_computed_tokens = request.num_tokens - 1
+            return True
+        request.output_token_ids.append(token)
+        self.counters.generation_tokens += 1
+        if self._check_stop(request, token):
+            self._pending_outputs.append(self._final_output(request, [token]))
+            return False
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token],
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        )
+        return True
 
     # ---- introspection ------------------------------------------------------
 
