@@ -279,7 +279,18 @@ class EngineCore:
             encoder_cache_usage=self.encoder_cache.usage,
             kv_blocks_used=self.kv_cache.num_used_blocks if self.kv_cache is not None else 0,
             encoder_cache_refs=self.encoder_cache.num_references(),
+            **_connector_stats(self.scheduler.kv_connector, self.scheduler.ec_connector),
         )
+
+
+def _connector_stats(kv: KVConnectorBase | None, ec: ECConnectorBase | None) -> dict[str, int]:
+    """What side-channel connectors report beyond the runner's counters (0 for others)."""
+    return {
+        "kv_tokens_sent_total": int(getattr(kv, "num_tokens_sent", 0)),
+        "kv_local_prefill_fallbacks_total": int(getattr(kv, "local_prefill_fallbacks", 0)),
+        "kv_requests_held": int(getattr(kv, "num_requests_held", 0)),
+        "ec_items_held": int(ec.num_items_held()) if hasattr(ec, "num_items_held") else 0,
+    }
 
 
 def _generation_eos(path: object) -> list[int] | None:

@@ -28,6 +28,8 @@ class EngineStats:
     encoder_forward_calls_total: int = 0
     requests_finished_total: int = 0
     requests_failed_total: int = 0
+    kv_tokens_sent_total: int = 0
+    kv_local_prefill_fallbacks_total: int = 0
     # gauges
     num_requests_running: int = 0
     num_requests_waiting: int = 0
@@ -35,6 +37,8 @@ class EngineStats:
     encoder_cache_usage: float = 0.0
     kv_blocks_used: int = 0
     encoder_cache_refs: int = 0
+    kv_requests_held: int = 0
+    ec_items_held: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
