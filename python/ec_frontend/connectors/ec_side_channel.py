@@ -1,0 +1,403 @@
+"""EC connector over TCP: the encoder serves its outputs, the consumer pulls them.
+
+Producer (``ec_producer`` / ``ec_both``): every encoder output it computes goes
+into a bounded in-memory store keyed by ``mm_hash``, served at
+``host:port``. ``request_finished`` names this server in the request's
+``ec_transfer_params`` (DESIGN 4.3)::
+
+    {"<mm_hash>": {"peer_host": ..., "peer_port": ..., "num_tokens": ...,
+                   "dtype": "float32", "shape": [num_tokens, hidden]}}
+
+and delays freeing the request until each of its items has been pulled once
+or has outlived ``ttl_s``; a pulled item leaves the store.
+
+Consumer (``ec_consumer`` / ``ec_both``): an item is loadable when the
+request's ``ec_transfer_params`` name a peer for it; the worker pulls all of a
+step's items in parallel, each bounded by ``timeout_s`` and by the size the
+params announced (at most ``max_item_bytes``). An item that cannot be pulled
+is a load failure: the runner encodes it locally, or fails the request when it
+has no pixel values.
+
+Settings (``ec_connector_extra_config`` wins over the environment):
+
+=================  ===============================================  ============
+key                environment                                      default
+=================  ===============================================  ============
+``host``           ``EC_SIDE_CHANNEL_HOST``, ``VLLM_EC_SIDE_...``   ``127.0.0.1``
+``port``           ``EC_SIDE_CHANNEL_PORT``, ``VLLM_EC_SIDE_...``   ``5501`` (0: any)
+``advertise_host``                                                  ``host``
+``max_items``                                                       ``1024``
+``max_bytes``                                                       ``1 GiB``
+``ttl_s``                                                           ``60``
+``timeout_s``                                                       ``10``
+``max_item_bytes``                                                  ``256 MiB``
+=================  ===============================================  ============
+
+Both halves of one engine share one store and one server (they live in one
+process). Hashes that are not lower-case hex are refused at both ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ec_frontend._core import is_valid_mm_hash
+from ec_frontend.connectors.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECLoadSpec,
+)
+from ec_frontend.connectors.side_channel_wire import (
+    SideChannelServer,
+    WireError,
+    env_setting,
+    request_tensor,
+    tensor_nbytes,
+    tensor_payload,
+)
+from ec_frontend.connectors.transfer_settings import Settings
+from ec_frontend.engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.engine.request import Request
+    from ec_frontend.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Where one item can be pulled from, as the request's params announced it."""
+
+    host: str
+    port: int
+    num_tokens: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class ECSideChannelMetadata(ECConnectorMetadata):
+    """The step's loads, each with its peer; ``idle`` when the step scheduled nothing."""
+
+    peers: dict[str, Peer] = field(default_factory=dict)
+    idle: bool = False
+
+
+@dataclass(slots=True)
+class _Item:
+    tensor: torch.Tensor
+    nbytes: int
+    expires: float
+
+
+class _Store:
+    """The producer's items and server, shared by the two halves of one engine."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.lock = threading.Lock()
+        self.items: OrderedDict[str, _Item] = OrderedDict()
+        self.nbytes = 0
+        self.pulled = 0
+        self.encoder_cache: dict[str, torch.Tensor] | None = None
+        self.waiting: dict[str, set[str]] = {}
+        self.changed = threading.Event()
+        self.server = SideChannelServer(
+            settings.host, settings.port, self._handle, timeout_s=settings.timeout_s
+        )
+        self.peer_host = settings.advertise_host or settings.host
+
+    def put(self, mm_hash: str, tensor: torch.Tensor) -> None:
+        cpu = tensor.detach().to("cpu").contiguous()
+        nbytes = cpu.numel() * cpu.element_size()
+        with self.lock:
+            self._drop(mm_hash)
+            self.items[mm_hash] = _Item(cpu, nbytes, time.monotonic() + self.settings.ttl_s)
+            self.nbytes += nbytes
+            while self.items and (
+                len(self.items) > self.settings.max_items or self.nbytes > self.settings.max_bytes
+            ):
+                self._drop(next(iter(self.items)))
+
+    def get(self, mm_hash: str) -> _Item | None:
+        with self.lock:
+            self._expire()
+            return self.items.get(mm_hash)
+
+    def _drop(self, mm_hash: str) -> None:
+        item = self.items.pop(mm_hash, None)
+        if item is not None:
+            self.nbytes -= item.nbytes
+            self.changed.set()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for mm_hash in [h for h, item in self.items.items() if item.expires <= now]:
+            logger.info("EC item %s expired before it was pulled", mm_hash)
+            self._drop(mm_hash)
+
+    def wait_for(self, request_id: str, hashes: set[str]) -> None:
+        with self.lock:
+            self.waiting[request_id] = hashes
+
+    def take_done(self, idle: bool) -> set[str]:
+        """Requests none of whose items is still in the store; forgets them."""
+        if not self.waiting:
+            return set()
+        if idle:
+            self.changed.wait(_IDLE_WAIT_S)
+        self.changed.clear()
+        with self.lock:
+            self._expire()
+            done = {r for r, hs in self.waiting.items() if not any(h in self.items for h in hs)}
+            for rid in done:
+                del self.waiting[rid]
+        return done
+
+    def __len__(self) -> int:
+        with self.lock:
+            self._expire()
+            return len(self.items)
+
+    def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes, Any]:
+        mm_hash = request.get("mm_hash")
+        if request.get("op") != "get_ec" or not isinstance(mm_hash, str):
+            raise ValueError("expected {'op': 'get_ec', 'mm_hash': <hex>}")
+        if not is_valid_mm_hash(mm_hash):
+            raise ValueError("mm_hash must be lower-case hex")
+        item = self.get(mm_hash)
+        if item is None:
+            raise KeyError(f"no encoder output {mm_hash} here (never computed, pulled or expired)")
+        header, payload = tensor_payload(item.tensor)
+
+        def on_sent() -> None:
+            with self.lock:
+                if self.items.get(mm_hash) is item:
+                    self._drop(mm_hash)
+                    self.pulled += 1
+
+        return {"ok": True, **header}, payload, on_sent
+
+
+#: One store per engine (keyed by its transfer config object, which both halves share).
+_STORES: dict[int, tuple[ECTransferConfig, _Store]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _settings(config: ECTransferConfig) -> Settings:
+    extra = config.ec_connector_extra_config
+    return Settings.from_extra(
+        extra,
+        host=env_setting(("EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_HOST"), "127.0.0.1"),
+        port=env_setting(("EC_SIDE_CHANNEL_PORT", "VLLM_EC_SIDE_CHANNEL_PORT"), "5501"),
+        defaults={
+            "max_items": 1024,
+            "max_bytes": 1 << 30,
+            "ttl_s": 60.0,
+            "timeout_s": 10.0,
+            "max_item_bytes": 256 << 20,
+        },
+        prefix="ec_connector_extra_config",
+    )
+
+
+def _store_for(config: ECTransferConfig, settings: Settings) -> _Store:
+    with _STORES_LOCK:
+        entry = _STORES.get(id(config))
+        if entry is None or entry[0] is not config:
+            try:
+                entry = (config, _Store(settings))
+            except OSError as exc:
+                raise ConfigError(
+                    f"EC side channel cannot listen on {settings.host}:{settings.port}: {exc}",
+                    "ec_connector_extra_config.port",
+                ) from None
+            _STORES[id(config)] = entry
+        return entry[1]
+
+
+def parse_peer(entry: Any, settings: Settings) -> Peer | None:
+    """The peer named by one ``ec_transfer_params`` entry, or ``None`` when it names none
+    usable (missing or mistyped keys, a size over ``max_item_bytes``)."""
+    if not isinstance(entry, dict):
+        return None
+    host, port, num_tokens = entry.get("peer_host"), entry.get("peer_port"), entry.get("num_tokens")
+    if not isinstance(host, str) or not host or len(host) > 255:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+        return None
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    try:
+        nbytes = tensor_nbytes(dtype, shape)
+    except WireError:
+        return None
+    if shape[0] != num_tokens or len(shape) != 2 or nbytes > settings.max_item_bytes:
+        return None
+    return Peer(host, port, num_tokens, nbytes)
+
+
+class ECSideChannelConnector(ECConnectorBase):
+    """Encoder outputs served over TCP by the producer and pulled by the consumer."""
+
+    def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
+        super().__init__(config, role)
+        self.settings = _settings(config)
+        self.store = _store_for(config, self.settings) if self.is_producer else None
+        self._pending: list[ECLoadSpec] = []
+        self._peers: dict[str, Peer] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ---- scheduler side -------------------------------------------------
+
+    def _peer(self, mm_hash: str, request: Request | None) -> Peer | None:
+        if request is None or not is_valid_mm_hash(mm_hash):
+            return None
+        params = request.ec_transfer_params
+        if params is None:
+            return None
+        return parse_peer(params.get(mm_hash), self.settings)
+
+    def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
+        return self._peer(mm_hash, request) is not None
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        feature = request.mm_features[index]
+        peer = self._peer(feature.mm_hash, request)
+        if peer is None:
+            raise RuntimeError(f"item {feature.mm_hash} has no peer to load from")
+        self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
+        self._peers[feature.mm_hash] = peer
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        meta = ECSideChannelMetadata(
+            loads=self._pending, peers=self._peers, idle=scheduler_output.is_empty
+        )
+        self._pending, self._peers = [], {}
+        return meta
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        store = self.store
+        if store is None or request.status.finish_reason in ("error", "abort"):
+            return False, None
+        params: dict[str, Any] = {}
+        for feature in request.mm_features:
+            mm_hash = feature.mm_hash
+            if mm_hash in params or not is_valid_mm_hash(mm_hash):
+                continue
+            item = store.get(mm_hash)
+            if item is None and store.encoder_cache is not None:
+                cached = store.encoder_cache.get(mm_hash)
+                if cached is not None:
+                    store.put(mm_hash, cached)
+                    item = store.get(mm_hash)
+            if item is None or item.tensor.shape[0] != feature.length:
+                continue
+            params[mm_hash] = {
+                "peer_host": store.peer_host,
+                "peer_port": store.server.port,
+                "num_tokens": feature.length,
+                "dtype": str(item.tensor.dtype).removeprefix("torch."),
+                "shape": list(item.tensor.shape),
+            }
+        if not params:
+            return False, None
+        store.wait_for(request.request_id, set(params))
+        return True, params
+
+    # ---- worker side ----------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        meta = self.metadata
+        specs = [s for s in meta.loads if s.mm_hash not in encoder_cache]
+        peers = getattr(meta, "peers", {})
+        if not specs:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ec-pull")
+        unique = {s.mm_hash: s for s in specs}
+        futures = {
+            h: self._pool.submit(self._pull, spec, peers.get(h)) for h, spec in unique.items()
+        }
+        for mm_hash, future in futures.items():
+            tensor = future.result()
+            if tensor is None:
+                self.stats.load_failures += 1
+            else:
+                encoder_cache[mm_hash] = tensor
+                self.stats.items_loaded += 1
+
+    def _pull(self, spec: ECLoadSpec, peer: Peer | None) -> torch.Tensor | None:
+        if peer is None:
+            logger.warning("EC load of %s: no peer in the request's params", spec.mm_hash)
+            return None
+        started = time.monotonic()
+        try:
+            _, tensor = request_tensor(
+                peer.host,
+                peer.port,
+                {"op": "get_ec", "mm_hash": spec.mm_hash},
+                timeout_s=self.settings.timeout_s,
+                max_bytes=peer.nbytes,
+            )
+        except WireError as exc:
+            logger.warning(
+                "EC pull of %s from %s:%d failed after %.2fs: %s",
+                spec.mm_hash,
+                peer.host,
+                peer.port,
+                time.monotonic() - started,
+                exc,
+            )
+            return None
+        if tensor.dim() != 2 or tensor.shape[0] != spec.num_tokens:
+            logger.warning("EC pull of %s: shape %s", spec.mm_hash, tuple(tensor.shape))
+            return None
+        return tensor
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        if self.store is None:
+            return
+        if not is_valid_mm_hash(mm_hash):
+            raise ValueError(f"invalid mm_hash {mm_hash!r}: expected lower-case hex")
+        self.store.encoder_cache = encoder_cache
+        self.store.put(mm_hash, encoder_cache[mm_hash])
+        self.stats.items_saved += 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose items all left the store (pulled or expired) are done sending.
+
+        On an idle step with requests still waiting, it pauses a couple of
+        milliseconds (or until an item leaves the store) instead of spinning.
+        """
+        store = self.store
+        if store is None:
+            return None, None
+        idle = self._metadata is not None and getattr(self._metadata, "idle", False)
+        done = store.take_done(idle)
+        return (done or None), None
+
+    def num_items_held(self) -> int:
+        """Items in the producer's store (0 on a consumer)."""
+        return len(self.store) if self.store is not None else 0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            if self.store is not None:
+                self.store.server.close()

@@ -1,0 +1,405 @@
+"""``ec-frontend proxy``: one OpenAI endpoint in front of Encode, Prefill and Decode instances.
+
+For each request on ``/v1/chat/completions``, ``/v1/completions`` or
+``/inference/v1/generate``:
+
+1. every distinct media item goes to an encoder (round-robin, all items in
+   parallel, one request per item carrying that item only and ``max_tokens:
+   1``); their ``ec_transfer_params`` are merged. A failing encoder (transport
+   error or 5xx) is retried on the next one; when every encoder fails for an
+   item the request goes on without its params (the next stage encodes locally
+   when it can), the response says so in ``X-EC-Fallback`` and
+   ``ec_frontend_proxy_encoder_fallbacks_total`` counts it;
+2. with prefill instances: the request goes to one with ``max_tokens: 1``,
+   ``kv_transfer_params: {"do_remote_decode": true}`` and the ec params, not
+   streamed; its ``kv_transfer_params`` are what decode needs;
+3. the request goes to a decode instance with prefill's ``kv_transfer_params``
+   (or, with no prefill stage, the ec params) and decode's answer, streamed or
+   not, is passed back unchanged.
+
+One ``X-Request-Id`` (the client's, or a fresh one) travels to every stage and
+comes back. An error from an instance is passed back with its status (a
+client error from an encoder stops the request there); an instance that
+cannot be reached gives 502. ``/health`` and ``/metrics`` describe the proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from ec_frontend.entrypoints.proxy_metrics import ProxyMetrics
+
+log = logging.getLogger("ec_frontend.proxy")
+
+ROUTES: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/inference/v1/generate": "generate",
+}
+FALLBACK_HEADER = "x-ec-fallback"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The instances behind the proxy and its limits."""
+
+    encode_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    prefill_urls: tuple[str, ...] = ()
+    timeout_s: float = 600.0
+    encoder_timeout_s: float = 120.0
+    connect_timeout_s: float = 5.0
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.decode_urls:
+            raise ValueError("the proxy needs at least one --decode URL")
+        for url in (*self.encode_urls, *self.prefill_urls, *self.decode_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"not an http(s) URL: {url!r}")
+
+
+class UpstreamError(Exception):
+    """An instance answered with an error (passed back) or could not be reached (502)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
+    return UpstreamError(502, error_body(502, f"{url}: {exc!r}", code))
+
+
+def _request_id(value: str | None) -> str:
+    if value and len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value:
+        return value
+    return uuid.uuid4().hex
+
+
+def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The distinct ``image_url`` content parts of a chat body, in order."""
+    parts: list[dict[str, Any]] = []
+    seen: set[bytes] = set()
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                key = orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
+                if key not in seen:
+                    seen.add(key)
+                    parts.append(part)
+    return parts
+
+
+def prefill_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` for the prefill stage: one token, not streamed, KV held for decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    out["stream"] = False
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    if endpoint == "generate":
+        sampling = dict(body.get("sampling_params") or {})
+        sampling.update(max_tokens=1, n=1)
+        sampling.pop("min_tokens", None)
+        out["sampling_params"] = sampling
+    else:
+        out.update(max_tokens=1, n=1)
+        out.pop("min_tokens", None)
+    return out
+
+
+class Proxy:
+    """Routes requests through the stages; holds one pooled HTTP client."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        limits = httpx.Limits(
+            max_connections=config.max_connections,
+            max_keepalive_connections=config.max_connections,
+        )
+        timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        self._rr = {
+            "encode": itertools.count(),
+            "prefill": itertools.count(),
+            "decode": itertools.count(),
+        }
+
+    def _pick(self, stage: str, urls: tuple[str, ...]) -> str:
+        return urls[next(self._rr[stage]) % len(urls)]
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # ---- stages -------------------------------------------------------------
+
+    async def _post_json(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+    ) -> dict[str, Any]:
+        try:
+            resp = await self.client.post(
+                url, content=orjson.dumps(body), headers=headers, timeout=timeout
+            )
+        except httpx.HTTPError as exc:
+            raise _unreachable(url, exc, "upstream_unreachable") from None
+        if resp.status_code != 200:
+            raise UpstreamError(resp.status_code, resp.content)
+        try:
+            data = orjson.loads(resp.content)
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            raise UpstreamError(502, error_body(502, f"{url}: not a JSON object", "bad_upstream"))
+        return data
+
+    async def _encode_one(
+        self, body: dict[str, Any], part: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | None:
+        """The item's ``ec_transfer_params`` from the first encoder that gives them."""
+        urls = self.config.encode_urls
+        start = next(self._rr["encode"])
+        item_body: dict[str, Any] = {
+            "model": body.get("model"),
+            "messages": [{"role": "user", "content": [part]}],
+            "max_tokens": 1,
+            "stream": False,
+        }
+        if "mm_processor_kwargs" in body:
+            item_body["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+        for attempt in range(len(urls)):
+            url = urls[(start + attempt) % len(urls)]
+            if attempt:
+                self.metrics.encoder_retries.inc()
+            try:
+                data = await self._post_json(
+                    url + "/v1/chat/completions", item_body, headers, self.config.encoder_timeout_s
+                )
+            except UpstreamError as exc:
+                if 400 <= exc.status < 500 and exc.status not in (408, 429):
+                    self.metrics.encoder_requests.inc(("client_error",))
+                    raise
+                self.metrics.encoder_requests.inc(("failed",))
+                log.warning("encoder %s failed (%d); trying the next", url, exc.status)
+                continue
+            params = data.get("ec_transfer_params")
+            if isinstance(params, dict) and params:
+                self.metrics.encoder_requests.inc(("ok",))
+                return params
+            self.metrics.encoder_requests.inc(("no_params",))
+        return None
+
+    async def _encode(
+        self, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[dict[str, Any], bool]:
+        """``(ec_transfer_params, fell_back)`` for the body's media items."""
+        parts = media_parts(body)
+        if not parts or not self.config.encode_urls:
+            return {}, False
+        results = await asyncio.gather(*(self._encode_one(body, p, headers) for p in parts))
+        merged: dict[str, Any] = {}
+        for params in results:
+            merged.update(params or {})
+        fell_back = any(p is None for p in results)
+        if fell_back:
+            self.metrics.encoder_fallbacks.inc()
+        return merged, fell_back
+
+    async def handle(self, endpoint: str, path: str, request: Request) -> Response:
+        rid = _request_id(request.headers.get("x-request-id"))
+        headers = {"x-request-id": rid, "content-type": "application/json"}
+        auth = request.headers.get("authorization")
+        if auth:
+            headers["authorization"] = auth
+        out_headers = {"x-request-id": rid}
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            body, problem = None, f"the body is not valid JSON: {exc}"
+        else:
+            problem = "the body must be a JSON object"
+        if not isinstance(body, dict):
+            self.metrics.requests.inc((endpoint, "400"))
+            return Response(error_body(400, problem, "invalid_json"), 400, out_headers)
+        try:
+            response = await self._route(endpoint, path, body, headers, out_headers)
+        except UpstreamError as exc:
+            response = Response(exc.body, exc.status, out_headers, "application/json")
+        self.metrics.requests.inc((endpoint, str(response.status_code)))
+        return response
+
+    async def _route(
+        self,
+        endpoint: str,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        out_headers: dict[str, str],
+    ) -> Response:
+        ec_params: dict[str, Any] = dict(body.get("ec_transfer_params") or {})
+        if endpoint == "chat":
+            encoded, fell_back = await self._encode(body, headers)
+            ec_params.update(encoded)
+            if fell_back:
+                out_headers[FALLBACK_HEADER] = "local-encode"
+        decode_body = dict(body)
+        if ec_params:
+            decode_body["ec_transfer_params"] = ec_params
+        if self.config.prefill_urls:
+            first = prefill_body(endpoint, decode_body)
+            url = self._pick("prefill", self.config.prefill_urls)
+            data = await self._post_json(url + path, first, headers, self.config.timeout_s)
+            kv = data.get("kv_transfer_params")
+            if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
+                raise UpstreamError(
+                    502, error_body(502, f"{url} returned no usable kv_transfer_params", "no_kv")
+                )
+            self.metrics.prefills.inc()
+            decode_body["kv_transfer_params"] = kv
+            decode_body.pop("ec_transfer_params", None)
+        url = self._pick("decode", self.config.decode_urls) + path
+        return await self._forward(url, decode_body, headers, out_headers)
+
+    async def _forward(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str]
+    ) -> Response:
+        req = self.client.build_request("POST", url, content=orjson.dumps(body), headers=headers)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise _unreachable(url, exc, "upstream_unreachable") from None
+        media_type = resp.headers.get("content-type", "application/json")
+        if resp.status_code != 200 or not media_type.startswith("text/event-stream"):
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as exc:
+                raise _unreachable(url, exc, "upstream_broken") from None
+            finally:
+                await resp.aclose()
+            return Response(content, resp.status_code, out_headers, media_type)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                message = f"decode stream broke: {exc!r}"
+                yield b"data: " + error_body(502, message, "upstream_broken") + b"\n\n"
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(relay(), 200, out_headers, media_type)
+
+    async def models(self) -> Response:
+        url = self._pick("decode", self.config.decode_urls) + "/v1/models"
+        try:
+            resp = await self.client.get(url, timeout=self.config.connect_timeout_s * 2)
+        except httpx.HTTPError as exc:
+            return Response(error_body(502, f"{url}: {exc!r}", "upstream_unreachable"), 502)
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+
+def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
+    proxy = Proxy(config)
+    app = FastAPI(title="ec-frontend proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def route(path: str, endpoint: str) -> Any:
+        async def handler(request: Request) -> Response:
+            return await proxy.handle(endpoint, path, request)
+
+        return handler
+
+    for path, endpoint in ROUTES.items():
+        app.add_api_route(path, route(path, endpoint), methods=["POST"])
+
+    async def health() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def metrics() -> Response:
+        return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", proxy.models, methods=["GET"])
+    return app, proxy
+
+
+# ---- command line -------------------------------------------------------------
+
+
+def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances")
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
+    p.add_argument(
+        "--encoder-timeout", type=float, default=120.0, help="seconds per encoder request"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+    )
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    strip = lambda urls: tuple(u.rstrip("/") for u in urls)  # noqa: E731
+    try:
+        config = ProxyConfig(
+            encode_urls=strip(args.encode),
+            prefill_urls=strip(args.prefill),
+            decode_urls=strip(args.decode),
+            timeout_s=args.timeout,
+            encoder_timeout_s=args.encoder_timeout,
+        )
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    app, proxy = build_proxy_app(config)
+    uv = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+        server_header=False,
+    )
+    server = uvicorn.Server(uv)
+    log.info(
+        "proxy on http://%s:%d: encode %s, prefill %s, decode %s",
+        args.host,
+        args.port,
+        list(config.encode_urls),
+        list(config.prefill_urls),
+        list(config.decode_urls),
+    )
+    try:
+        server.run()
+    finally:
+        asyncio.run(proxy.close())
+    return 0 if server.started else 1

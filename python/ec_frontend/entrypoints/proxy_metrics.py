@@ -1,0 +1,45 @@
+"""The proxy's Prometheus counters (``/metrics`` on ``ec-frontend proxy``)."""
+
+from __future__ import annotations
+
+from ec_frontend.metrics import PREFIX, Counter
+
+
+class ProxyMetrics:
+    """What the proxy routed, and how often it had to retry or fall back."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            PREFIX + "proxy_requests_total",
+            "Requests answered by the proxy, by endpoint and HTTP status.",
+            ("endpoint", "status"),
+        )
+        self.encoder_requests = Counter(
+            PREFIX + "proxy_encoder_requests_total",
+            "Per-item encoder requests, by outcome (ok, failed, no_params, client_error).",
+            ("outcome",),
+        )
+        self.encoder_retries = Counter(
+            PREFIX + "proxy_encoder_retries_total",
+            "Encoder requests retried on another encoder.",
+        )
+        self.encoder_fallbacks = Counter(
+            PREFIX + "proxy_encoder_fallbacks_total",
+            "Requests sent on without the params of an item no encoder could encode.",
+        )
+        self.prefills = Counter(
+            PREFIX + "proxy_prefills_total",
+            "Requests whose prompt a prefill instance computed for a decode instance.",
+        )
+
+    def render(self) -> bytes:
+        lines: list[str] = []
+        for counter in (
+            self.requests,
+            self.encoder_requests,
+            self.encoder_retries,
+            self.encoder_fallbacks,
+            self.prefills,
+        ):
+            lines.extend(counter.render())
+        return ("\n".join(lines) + "\n").encode()
