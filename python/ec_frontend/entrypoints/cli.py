@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ec_frontend.entrypoints.launcher import ServeOptions, serve
+from ec_frontend.entrypoints.proxy import add_proxy_args, run_proxy
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
 COMMANDS: dict[
@@ -124,6 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS["serve"] = (add_serve_args, run_serve)
+COMMANDS["proxy"] = (add_proxy_args, run_proxy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMAND_HELP: dict[str, str] = {"serve": "run the OpenAI-compatible server"}
+COMMAND_HELP: dict[str, str] = {
+    "serve": "run the OpenAI-compatible server",
+    "proxy": "route requests through encode, prefill and decode instances",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
