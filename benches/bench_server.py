@@ -7,7 +7,7 @@ Both servers run as separate processes on loopback; a lean load generator
 the median round counts, so background load hits both alike. Writes
 ``benches/results/server_mock.json``.
 
-Run: ``.venv/bin/python benches/bench_server.py [--seconds 5] [--rounds 3]``.
+Run: ``.venv/bin/python benches/bench_server.py [--seconds 2] [--rounds 8]``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results" / "server_mock.json"
 MODEL = "mock-model"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -134,8 +140,8 @@ async def load(port: int, payload: bytes, concurrency: int, seconds: float) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args()
 
@@ -184,20 +190,37 @@ def main() -> None:
                 order = list(ports.items()) if r % 2 == 0 else list(ports.items())[::-1]
                 for name, port in order:
                     payload = request_bytes(port, stream, args.max_tokens)
+                    cpu0 = cpu_seconds(servers[name].pid)
                     res = asyncio.run(load(port, payload, args.concurrency, args.seconds))
+                    used = cpu_seconds(servers[name].pid) - cpu0
+                    res["server_cpu_us_per_request"] = 1e6 * used / max(res["requests"], 1)
                     rounds[name].append(res)
                     print(
                         f"{scenario:12s} round {r} {name:18s} {res['rps']:8.1f} req/s "
                         f"p50 {res['p50_ms']:.1f} ms p99 {res['p99_ms']:.1f} ms "
+                        f"server CPU {res['server_cpu_us_per_request']:.0f} us/req "
                         f"errors {res['errors']}"
                     )
             med = {n: statistics.median(x["rps"] for x in v) for n, v in rounds.items()}
+            cpu = {
+                n: statistics.median(x["server_cpu_us_per_request"] for x in v)
+                for n, v in rounds.items()
+            }
             ratio = med["ec-frontend"] / med["fastapi+pydantic"]
+            cpu_ratio = cpu["fastapi+pydantic"] / cpu["ec-frontend"]
             print(
                 f"{scenario}: ec-frontend {med['ec-frontend']:.1f} req/s, baseline "
-                f"{med['fastapi+pydantic']:.1f} req/s, ratio {ratio:.2f}x"
+                f"{med['fastapi+pydantic']:.1f} req/s, ratio {ratio:.2f}x; server CPU per "
+                f"request {cpu['ec-frontend']:.0f} vs {cpu['fastapi+pydantic']:.0f} us "
+                f"({cpu_ratio:.2f}x less)"
             )
-            results[scenario] = {"median_rps": med, "ratio": ratio, "rounds": rounds}
+            results[scenario] = {
+                "median_rps": med,
+                "ratio": ratio,
+                "median_server_cpu_us_per_request": cpu,
+                "cpu_ratio": cpu_ratio,
+                "rounds": rounds,
+            }
     finally:
         for proc in servers.values():
             proc.terminate()

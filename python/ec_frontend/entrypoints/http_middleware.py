@@ -22,6 +22,9 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import Response
+
 from ec_frontend.entrypoints.errors import error_body
 from ec_frontend.metrics import ServerMetrics
 
@@ -70,10 +73,24 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
 class FrontMiddleware:
-    def __init__(self, app: ASGIApp, state: FrontState) -> None:
+    """See the module docstring. ``routes`` maps POST paths to handlers called
+    directly (bypassing the wrapped app); ``on_error`` renders their exceptions."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: FrontState,
+        routes: dict[str, Handler] | None = None,
+        on_error: Callable[[Exception], Response] | None = None,
+    ) -> None:
         self.app = app
         self.state = state
+        self.routes = routes or {}
+        self.on_error = on_error
 
     async def _reject(
         self, send: Send, status: int, message: str, code: str, rid: bytes, extra: list[Any]
@@ -134,7 +151,15 @@ class FrontMiddleware:
         if generation:
             metrics.in_flight += 1
         try:
-            await self.app(scope, receive, send_wrapper)
+            handler = self.routes.get(path) if generation else None
+            if handler is None or self.on_error is None:
+                await self.app(scope, receive, send_wrapper)
+            else:
+                try:
+                    response = await handler(Request(scope, receive))
+                except Exception as exc:
+                    response = self.on_error(exc)
+                await response(scope, receive, send_wrapper)
         finally:
             if generation:
                 metrics.in_flight -= 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,17 +196,24 @@ class MockEngine:
     async def add_request(
         self, request_id: str, inputs: MockInputs, params: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Yield one delta per generated token; the last one has ``finished=True``."""
+        """Yield one delta per generated token; the last one has ``finished=True``.
+
+        With no token latency the deltas come without yielding to the event loop.
+        """
         self._acquire(request_id, inputs)
         try:
-            async for out in self._generate(request_id, inputs, params):
+            for out in self._generate(request_id, inputs, params):
+                if out is None:
+                    await asyncio.sleep(self.config.token_latency_s)
+                    continue
                 yield out
         finally:
             self._release(request_id, inputs)
 
-    async def _generate(
+    def _generate(
         self, request_id: str, inputs: MockInputs, params: Any
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> Iterator[RequestOutput | None]:
+        """The token loop; yields ``None`` where the caller should wait one token latency."""
         prompt = inputs.prompt_token_ids or [ord(" ")]
         plen = len(inputs.prompt_token_ids)
         limit = self.config.max_model_len - plen
@@ -214,21 +221,22 @@ class MockEngine:
         stops: list[str] = list(_get(params, "stop", []))
         stop_ids: set[int] = set(_get(params, "stop_token_ids", []))
         n_logprobs = getattr(params, "logprobs", None)
-        rng = random.Random(_get(params, "seed", 0))
         sampled = _get(params, "temperature", 1.0) > 0
+        rng = random.Random(_get(params, "seed", 0)) if sampled else None
         extra = getattr(params, "extra_args", None) or {}
         kv = extra.get("kv_transfer_params")
         ec = extra.get("ec_transfer_params")
         text = ""
         sent = 0
         hold = max((len(s) for s in stops), default=1) - 1
-        delay = self.config.token_latency_s
+        wait = self.config.token_latency_s > 0
         for i in range(max_tokens):
-            await asyncio.sleep(delay)
+            if wait:
+                yield None
             if request_id in self._aborted:
                 yield RequestOutput(request_id, prompt, [], text[sent:], True, "abort")
                 return
-            tok = rng.choice(prompt) if sampled else prompt[i % len(prompt)]
+            tok = rng.choice(prompt) if rng is not None else prompt[i % len(prompt)]
             finish: str | None = None
             stop_reason: str | int | None = None
             end = len(text)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
 from ec_frontend.engine.sampling_params import SamplingParams, SamplingParamsError
 from ec_frontend.entrypoints.errors import APIError
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+#: Fields for which ``None`` is a value (elsewhere ``None`` means "the default").
+_NULLABLE = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs", "extra_args"})
 
 
 def build_sampling_params(sampling: Mapping[str, Any], *, choice: int = 0) -> SamplingParams:
@@ -22,6 +27,10 @@ def build_sampling_params(sampling: Mapping[str, Any], *, choice: int = 0) -> Sa
     if choice and seed is not None:
         values["seed"] = seed + choice
     try:
+        if _FIELDS.issuperset(values) and all(
+            v is not None or k in _NULLABLE for k, v in values.items()
+        ):
+            return SamplingParams(**values)
         return SamplingParams.from_dict(values)
     except SamplingParamsError as exc:
         raise APIError(400, exc.message, param=exc.param, code="invalid_value") from exc

@@ -10,6 +10,7 @@ raised it, is rendered by :func:`~ec_frontend.entrypoints.errors.error_response`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -37,10 +38,13 @@ from ec_frontend.entrypoints.serving import Choice, Serving, ServingConfig
 from ec_frontend.metrics import ServerMetrics, render
 
 T = TypeVar("T")
+log = logging.getLogger("ec_frontend.server")
 
 #: Bodies above this size are parsed in a worker thread (the parser releases the GIL).
 _THREAD_PARSE_BYTES = 256 * 1024
 _JSON = "application/json"
+#: A non-stream request watches for its client's disconnect after this long.
+_WATCH_AFTER_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
 
 
-def _status_of(exc: BaseException) -> APIError:
+def _status_of(exc: BaseException) -> BaseException:
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return APIError(404, "no such route", code="route_not_found")
@@ -71,8 +75,14 @@ def _status_of(exc: BaseException) -> APIError:
             )
         return APIError(exc.status_code, str(exc.detail), code="http_error")
     if isinstance(exc, APIError | RequestError):
-        return exc  # type: ignore[return-value]
+        return exc
+    log.error("unhandled error", exc_info=exc)
     return APIError(500, "internal server error", code="internal_error")
+
+
+def handle_error(exc: Exception) -> Response:
+    """The one place where an exception becomes an HTTP error response."""
+    return error_response(_status_of(exc))
 
 
 class App:
@@ -163,18 +173,24 @@ class App:
         )
 
     async def until_disconnect(self, request: Request, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro``; cancel it (aborting its engine requests) if the client leaves."""
-        work = asyncio.ensure_future(coro)
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        """Await ``coro``; cancel it (aborting its engine requests) if the client leaves.
+
+        The disconnect watcher starts only once the request has run for
+        ``_WATCH_AFTER_S``: short requests pay for a timer, not a task.
+        """
+        task = asyncio.current_task()
+        watch = _DisconnectWatch(request, task)
+        handle = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, watch.arm)
         try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+            return await coro
+        except asyncio.CancelledError:
+            if not watch.gone or task is None:
+                raise
+            task.uncancel()
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
         finally:
-            if not work.done():
-                work.cancel()
-            watch.cancel()
-        if work.cancelled():
-            raise APIError(499, "client disconnected", code="client_disconnected")
-        return work.result()
+            handle.cancel()
+            watch.disarm()
 
     @staticmethod
     def check_choices(choices: list[Choice]) -> None:
@@ -270,15 +286,36 @@ def _asks_for_text(parsed: ParsedRequest, body: bytes) -> bool:
     return orjson.loads(body).get("sampling_params", {}).get("detokenize") is True
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+class _DisconnectWatch:
+    """Cancels ``task`` when the client of ``request`` disconnects (once armed)."""
+
+    __slots__ = ("gone", "request", "task", "watcher")
+
+    def __init__(self, request: Request, task: asyncio.Task[Any] | None) -> None:
+        self.request = request
+        self.task = task
+        self.gone = False
+        self.watcher: asyncio.Task[None] | None = None
+
+    def arm(self) -> None:
+        self.watcher = asyncio.ensure_future(self._watch())
+
+    def disarm(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                break
+        self.gone = True
+        if self.task is not None:
+            self.task.cancel()
 
 
 async def _handle_error(request: Request, exc: Exception) -> Response:
-    return error_response(_status_of(exc))
+    return handle_error(exc)
 
 
 def build_app(engine: Any, config: ServerConfig) -> tuple[Any, App]:
@@ -311,4 +348,7 @@ def build_app(engine: Any, config: ServerConfig) -> tuple[Any, App]:
         "/metrics", core.metrics_route, methods=["GET"], **openapi_docs.route_docs("metrics")
     )
     openapi_docs.install(api)
-    return FrontMiddleware(api, core.state), core
+    # The generation routes are also dispatched directly by the middleware (same
+    # handlers, same error handler), skipping the framework's per-request layers.
+    fast = {path: handler for path, handler, _ in post}
+    return FrontMiddleware(api, core.state, fast, handle_error), core

@@ -74,23 +74,31 @@ class Choice:
     def add(self, out: Any) -> None:
         """Merge one engine delta; a later ``None`` never erases a param."""
         if out.token_ids:
-            self.token_ids.extend(out.token_ids)
+            self.token_ids += out.token_ids
         if out.text:
             self.text += out.text
         if out.logprobs:
             if self.logprobs is None:
                 self.logprobs = []
-            self.logprobs.extend(out.logprobs)
+            self.logprobs += out.logprobs
+        if out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
-        self.num_cached_tokens = getattr(out, "num_cached_tokens", 0) or self.num_cached_tokens
+            if out.error:
+                self.error = out.error
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
         if out.ec_transfer_params is not None:
             self.ec_transfer_params = out.ec_transfer_params
-        if getattr(out, "error", None):
-            self.error = out.error
+
+
+@dataclass(slots=True)
+class _Timing:
+    started: float
+    last: float = 0.0
+    finished: bool = False
 
 
 def first_param(choices: list[Choice], name: str) -> dict[str, Any] | None:
@@ -260,50 +268,61 @@ class Serving:
             if not finished:
                 await self.engine.abort(request_id)
 
-    async def drive(self, job: Job, started: float) -> AsyncIterator[Any]:
-        """Yield the engine's deltas for ``job``; abort it if the consumer leaves early."""
-        agen = self.engine.add_request(job.request_id, job.inputs, job.params)
-        finished = False
-        last = 0.0
-        m = self.metrics
+    def _start(self, job: Job) -> Any:
+        return self.engine.add_request(job.request_id, job.inputs, job.params)
+
+    def _observe(self, timing: _Timing, out: Any) -> bool:
+        """Record latency metrics for one delta; True when it finishes the request."""
+        tokens = out.token_ids
+        if tokens:
+            now = time.perf_counter()
+            m = self.metrics
+            if timing.last == 0.0:
+                m.ttft.observe(now - timing.started)
+            elif len(tokens) == 1:
+                m.itl.observe(now - timing.last)
+            else:
+                gap = (now - timing.last) / len(tokens)
+                for _ in tokens:
+                    m.itl.observe(gap)
+            timing.last = now
+        if out.finished:
+            timing.finished = True
+            self.metrics.e2e.observe(time.perf_counter() - timing.started)
+            return True
+        return False
+
+    def _end(self, job: Job, agen: Any, timing: _Timing) -> None:
+        """After a job's loop: forget its id; abort it unless it finished (never awaits)."""
+        self._active.discard(job.request_id)
+        if not timing.finished:
+            self.metrics.aborted.inc()
+            self._spawn(self._cleanup(agen, job.request_id, False))
+
+    async def _run(self, job: Job, choice: Choice, started: float) -> None:
+        agen = self._start(job)
+        timing = _Timing(started)
         try:
             async for out in agen:
-                ntok = len(out.token_ids) if out.token_ids else 0
-                if ntok:
-                    now = time.perf_counter()
-                    if last == 0.0:
-                        m.ttft.observe(now - started)
-                    else:
-                        gap = (now - last) / ntok
-                        for _ in range(ntok):
-                            m.itl.observe(gap)
-                    last = now
-                if out.finished:
-                    finished = True
-                    m.e2e.observe(time.perf_counter() - started)
-                yield out
-                if finished:
+                choice.add(out)
+                if self._observe(timing, out):
                     return
         finally:
-            self._active.discard(job.request_id)
-            if not finished:
-                m.aborted.inc()
-                self._spawn(self._cleanup(agen, job.request_id, finished))
+            self._end(job, agen, timing)
 
     async def collect(self, jobs: list[Job], started: float) -> list[Choice]:
-        """Run all jobs to completion; the choices in index order."""
+        """Run all jobs to completion; the choices in index order.
+
+        Cancelling the caller aborts every job that has not finished.
+        """
         choices = [self._choice(j) for j in jobs]
-
-        async def run(job: Job, choice: Choice) -> None:
-            async for out in self.drive(job, started):
-                choice.add(out)
-
         try:
             if len(jobs) == 1:
-                await run(jobs[0], choices[0])
+                await self._run(jobs[0], choices[0], started)
             else:
                 tasks = [
-                    asyncio.ensure_future(run(j, c)) for j, c in zip(jobs, choices, strict=True)
+                    asyncio.ensure_future(self._run(j, c, started))
+                    for j, c in zip(jobs, choices, strict=True)
                 ]
                 try:
                     await asyncio.gather(*tasks)
@@ -315,26 +334,42 @@ class Serving:
         return choices
 
     async def stream(self, jobs: list[Job], started: float) -> AsyncIterator[tuple[Choice, Any]]:
-        """Yield ``(choice, delta)`` as deltas arrive from any job; ``choice`` already holds it."""
+        """Yield ``(choice, delta)`` as deltas arrive from any job; ``choice`` already holds it.
+
+        Closing the iterator early aborts every job that has not finished.
+        """
         choices = [self._choice(j) for j in jobs]
         if len(jobs) == 1:
+            job, choice = jobs[0], choices[0]
+            agen = self._start(job)
+            timing = _Timing(started)
             try:
-                async for out in self.drive(jobs[0], started):
-                    choices[0].add(out)
-                    yield choices[0], out
+                async for out in agen:
+                    choice.add(out)
+                    done = self._observe(timing, out)
+                    yield choice, out
+                    if done:
+                        return
             finally:
+                self._end(job, agen, timing)
                 self.release(jobs)
             return
-        queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
 
         async def pump(k: int) -> None:
+            job = jobs[k]
+            agen = self._start(job)
+            timing = _Timing(started)
             try:
-                async for out in self.drive(jobs[k], started):
-                    await queue.put((k, out))
+                async for out in agen:
+                    queue.put_nowait((k, out))
+                    if self._observe(timing, out):
+                        return
             except Exception as exc:
-                await queue.put((k, exc))
+                queue.put_nowait((k, exc))
             finally:
-                await queue.put(None)
+                self._end(job, agen, timing)
+                queue.put_nowait(None)
 
         tasks = [asyncio.ensure_future(pump(k)) for k in range(len(jobs))]
         try:
