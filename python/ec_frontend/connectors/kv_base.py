@@ -44,7 +44,13 @@ class KVLoadResult:
 
 
 class KVConnectorBase(ABC):
-    """Base of all KV connectors."""
+    """Base of all KV connectors.
+
+    ``hands_over_sampled_token``: the connector's asynchronous loads cover the
+    whole prompt and :meth:`get_load_result` gives the token sampled after it.
+    """
+
+    hands_over_sampled_token: bool = False
 
     def __init__(self, config: KVTransferConfig | None, role: KVConnectorRole) -> None:
         self.config = config
@@ -59,10 +65,10 @@ class KVConnectorBase(ABC):
     ) -> tuple[int, bool]:
         """``(num_tokens, load_async)``: prompt tokens past ``num_computed_tokens``
         whose KV can be loaded. ``load_async`` True parks the request until
-        :meth:`get_finished` reports it received. A synchronous load never covers
-        the last prompt token (it must be computed to sample); an asynchronous
-        one may cover the whole prompt when :meth:`get_load_result` then hands
-        over the token sampled after it."""
+        :meth:`get_finished` reports it received. The scheduler loads at most
+        all but the last prompt token (it must be computed to sample), or the
+        whole prompt for an asynchronous load of a connector that
+        ``hands_over_sampled_token``."""
 
     @abstractmethod
     def update_state_after_alloc(

@@ -227,6 +227,8 @@ def _state_for(config: KVTransferConfig) -> _State:
 class KVSideChannelConnector(KVConnectorBase):
     """Prefill serves held KV blocks over TCP; decode pulls them instead of prefilling."""
 
+    hands_over_sampled_token = True
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
         self.state = _state_for(config)

@@ -247,9 +247,10 @@ class Scheduler:
                 num_external, load_async = self.kv_connector.get_num_new_matched_tokens(
                     request, request.num_computed_tokens
                 )
-                # An asynchronous load may cover the whole prompt (the connector then
-                # hands over the sampled token); a synchronous one leaves the last.
-                limit = request.num_tokens if load_async else request.num_tokens - 1
+                # Only an asynchronous load whose connector hands over the sampled
+                # token may cover the whole prompt; otherwise the last is computed.
+                whole = load_async and self.kv_connector.hands_over_sampled_token
+                limit = request.num_tokens if whole else request.num_tokens - 1
                 num_external = max(0, min(num_external, limit))
             if load_async and num_external > 0:
                 if not self._allocate(request, num_external):
