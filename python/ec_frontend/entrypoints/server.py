@@ -267,6 +267,8 @@ class App:
         return self.json(orjson.dumps({"object": "list", "data": data}))
 
     async def health(self, request: Request) -> Response:
+        if getattr(self.engine, "is_running", True) is False:
+            raise APIError(503, "the engine has stopped", code="engine_dead")
         return self.json(b'{"status":"ok"}')
 
     async def metrics_route(self, request: Request) -> Response:
