@@ -29,6 +29,7 @@ def test_from_dict_takes_defaults_for_none() -> None:
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [1, -5]}, "stop_token_ids[1]"),
         ({"max_tokens": True}, "max_tokens"),

@@ -277,3 +277,14 @@ def test_remote_kv_tokens_are_not_recomputed(load_async: bool, h: Any) -> None:
     assert sched.counters.kv_tokens_received == 19
     assert sched.counters.prompt_tokens_computed == 1
     assert_clean(sched)
+
+
+def test_item_larger_than_the_encoder_budget_runs_alone(h: Any) -> None:
+    sched = make_scheduler(encoder_budget=4)
+    sched.add_request(h.fake_request("a", 12, images=[("big", 0, 8)]))
+    sched.add_request(h.fake_request("b", 12, images=[("small", 0, 2)]))
+    so = sched.schedule()
+    assert [(s.request_id, s.encoder_inputs) for s in so.scheduled] == [("a", [0])]
+    sched.update_from_output(so, h.fake_runner_output(so))
+    so = sched.schedule()
+    assert [(s.request_id, s.encoder_inputs) for s in so.scheduled] == [("a", []), ("b", [0])]

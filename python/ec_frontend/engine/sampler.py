@@ -83,7 +83,8 @@ class Sampler:
             drop = ranks >= torch.tensor(top_k, device=device)[:, None]
             probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
             before = probs.cumsum(dim=-1) - probs
-            drop |= before > torch.tensor(top_p, device=device)[:, None]
+            p = torch.tensor(top_p, device=device)[:, None]
+            drop |= (before > p) & (p < 1.0)
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)

@@ -32,6 +32,7 @@ class SamplingParams:
     ``max_tokens=None`` generates up to the model length. ``top_k <= 0`` and
     ``top_p == 1`` disable those filters. ``logprobs`` is the number of top
     alternatives returned per sampled token (``None``: no logprobs).
+    ``prompt_logprobs`` must be ``None``: the engine does not compute them.
     """
 
     max_tokens: int | None = 16
@@ -105,7 +106,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0.0:
             raise SamplingParamsError("repetition_penalty must be > 0", "repetition_penalty")
         _check_int(self.logprobs, "logprobs", minimum=0, optional=True)
-        _check_int(self.prompt_logprobs, "prompt_logprobs", minimum=0, optional=True)
+        if self.prompt_logprobs is not None:
+            raise SamplingParamsError("prompt_logprobs is not supported", "prompt_logprobs")
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop must be a list of strings", "stop")
         if any(s == "" for s in self.stop):
