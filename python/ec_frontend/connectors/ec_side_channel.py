@@ -61,6 +61,7 @@ from ec_frontend.connectors.side_channel_wire import (
     SideChannelServer,
     WireError,
     env_setting,
+    request_header,
     request_tensor,
     tensor_nbytes,
     tensor_payload,
@@ -172,12 +173,18 @@ class _Store:
             self._expire()
             return len(self.items)
 
-    def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes, Any]:
-        mm_hash = request.get("mm_hash")
-        if request.get("op") != "get_ec" or not isinstance(mm_hash, str):
-            raise ValueError("expected {'op': 'get_ec', 'mm_hash': <hex>}")
+    def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes | None, Any]:
+        """``get_ec`` sends an item (then frees it); ``release`` frees it unsent."""
+        mm_hash, op = request.get("mm_hash"), request.get("op")
+        if op not in ("get_ec", "release") or not isinstance(mm_hash, str):
+            raise ValueError("expected {'op': 'get_ec' | 'release', 'mm_hash': <hex>}")
         if not is_valid_mm_hash(mm_hash):
             raise ValueError("mm_hash must be lower-case hex")
+        if op == "release":
+            with self.lock:
+                present = mm_hash in self.items
+                self._drop(mm_hash)
+            return {"ok": True, "released": present}, None, None
         item = self.get(mm_hash)
         if item is None:
             raise KeyError(f"no encoder output {mm_hash} here (never computed, pulled or expired)")
@@ -260,6 +267,7 @@ class ECSideChannelConnector(ECConnectorBase):
         self.store = _store_for(config, self.settings) if self.is_producer else None
         self._pending: list[ECLoadSpec] = []
         self._peers: dict[str, Peer] = {}
+        self._loading: dict[str, set[str]] = {}
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- scheduler side -------------------------------------------------
@@ -282,6 +290,7 @@ class ECSideChannelConnector(ECConnectorBase):
             raise RuntimeError(f"item {feature.mm_hash} has no peer to load from")
         self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
         self._peers[feature.mm_hash] = peer
+        self._loading.setdefault(request.request_id, set()).add(feature.mm_hash)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         meta = ECSideChannelMetadata(
@@ -291,6 +300,8 @@ class ECSideChannelConnector(ECConnectorBase):
         return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if self.is_consumer:
+            self._release_unused(request)
         store = self.store
         if store is None or request.status.finish_reason in ("error", "abort"):
             return False, None
@@ -319,6 +330,31 @@ class ECSideChannelConnector(ECConnectorBase):
         store.wait_for(request.request_id, set(params))
         return True, params
 
+    def _release_unused(self, request: Request) -> None:
+        """Tell producers to free the items this request was offered but did not pull
+        (it found them cached here), instead of letting them wait for their TTL."""
+        loaded = self._loading.pop(request.request_id, set())
+        for mm_hash in request.ec_transfer_params or {}:
+            peer = None if mm_hash in loaded else self._peer(mm_hash, request)
+            if peer is not None:
+                self._executor().submit(self._release, mm_hash, peer)
+
+    def _release(self, mm_hash: str, peer: Peer) -> None:
+        try:
+            request_header(
+                peer.host,
+                peer.port,
+                {"op": "release", "mm_hash": mm_hash},
+                timeout_s=self.settings.timeout_s,
+            )
+        except WireError as exc:
+            logger.info("EC release of %s at %s:%d failed: %s", mm_hash, peer.host, peer.port, exc)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ec-side-channel")
+        return self._pool
+
     # ---- worker side ----------------------------------------------------
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
@@ -327,12 +363,9 @@ class ECSideChannelConnector(ECConnectorBase):
         peers = getattr(meta, "peers", {})
         if not specs:
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ec-pull")
+        pool = self._executor()
         unique = {s.mm_hash: s for s in specs}
-        futures = {
-            h: self._pool.submit(self._pull, spec, peers.get(h)) for h, spec in unique.items()
-        }
+        futures = {h: pool.submit(self._pull, spec, peers.get(h)) for h, spec in unique.items()}
         for mm_hash, future in futures.items():
             tensor = future.result()
             if tensor is None:

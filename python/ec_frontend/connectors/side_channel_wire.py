@@ -142,6 +142,22 @@ def request_tensor(
     return header, tensor.view(DTYPES[dtype]).reshape(shape)
 
 
+def request_header(
+    host: str, port: int, request: dict[str, Any], *, timeout_s: float
+) -> dict[str, Any]:
+    """Send ``request`` and read back a header-only answer; ``WireError`` on failure."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            send_frame(sock, request)
+            header = recv_header(sock)
+    except (OSError, struct.error) as exc:
+        raise WireError(f"{host}:{port}: {exc}") from None
+    if header.get("ok") is not True:
+        raise WireError(f"peer refused: {header.get('error', 'no reason given')}")
+    return header
+
+
 #: ``handler(request) -> (header, payload, on_sent)``; ``on_sent`` runs after the
 #: payload went out completely (the item may then be freed).
 Handler = Callable[[dict[str, Any]], tuple[dict[str, Any], bytes | None, Callable[[], None] | None]]
