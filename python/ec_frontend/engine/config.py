@@ -206,13 +206,16 @@ class EngineConfig:
     """Everything one engine instance needs to start.
 
     ``model`` is a local checkpoint directory (``None``: the built-in model).
+    ``model_id`` names the model (it enters every ``mm_hash``, so instances of
+    one deployment must agree); empty: the built-in model's id, or the
+    checkpoint directory's name.
     ``device`` is ``None`` for CUDA when available, else CPU. ``load_vision``
     False skips the vision tower on a consumer that always loads encoder outputs
     (then an item that cannot be loaded fails its request).
     """
 
     model: str | None = None
-    model_id: str = "ec-frontend/tiny-qwen2-vl"
+    model_id: str = ""
     device: str | None = None
     dtype: str = "float32"
     seed: int = 0

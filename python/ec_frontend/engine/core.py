@@ -120,10 +120,13 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[EngineCore, InputProcessor]:
         """Load the checkpoint ``config.model`` (or the built-in model) and build a core."""
-        from ec_frontend.model.builtin import ensure_builtin_checkpoint
+        from ec_frontend.model.builtin import BUILTIN_MODEL_ID, ensure_builtin_checkpoint
         from ec_frontend.model.loader import load_model, load_processor
 
-        path = config.model if config.model is not None else ensure_builtin_checkpoint()
+        if config.model is None:
+            path, model_id = ensure_builtin_checkpoint(), BUILTIN_MODEL_ID
+        else:
+            path, model_id = Path(config.model), Path(config.model).resolve().name
         model = load_model(
             path,
             device=config.device,
@@ -131,7 +134,7 @@ class EngineCore:
             load_vision=config.load_vision,
             load_language=not config.is_encoder_only,
         )
-        processor = load_processor(path, model_id=config.model_id)
+        processor = load_processor(path, model_id=config.model_id or model_id)
         eos = _generation_eos(path) or processor.eos_token_id
         core = cls(config, model, tokenizer=processor.tokenizer, eos_token_id=eos)
         return core, processor
