@@ -15,7 +15,6 @@ def test_shared_entry_is_refcounted(h: Any) -> None:
     assert cache.can_allocate(4)
     cache.allocate(a, 0)
     assert cache.check_and_update_cache(b, 0)  # same hash: a hit, no new space
-    assert cache.num_hits == 1
     assert cache.num_free_slots == 12
     assert cache.num_references() == 2
     cache.free(a)

@@ -204,7 +204,7 @@ def test_ec_flow_cache_hit_then_load_then_encode(h: Any) -> None:
     b = next(s for s in so.scheduled if s.request_id == "b")
     assert b.encoder_inputs == [] and b.ec_loads == []
     assert ec.queries == []
-    assert sched.encoder_cache.num_hits == 1
+    assert sched.counters.encoder_cache_hits == 1
 
 
 def test_producer_does_not_query_for_loads(h: Any) -> None:
@@ -288,3 +288,22 @@ def test_item_larger_than_the_encoder_budget_runs_alone(h: Any) -> None:
     sched.update_from_output(so, h.fake_runner_output(so))
     so = sched.schedule()
     assert [(s.request_id, s.encoder_inputs) for s in so.scheduled] == [("a", []), ("b", [0])]
+
+
+def test_waiting_request_pins_nothing_and_counts_its_hit_once(h: Any) -> None:
+    # 5 usable blocks of 4: "first" (16 + 3 tokens) leaves no room for "second".
+    sched = make_scheduler(blocks=6, block_size=4, max_len=20)
+    sched.add_request(h.fake_request("first", 16, images=[("img", 0, 4)], max_tokens=3))
+    so = sched.schedule()
+    sched.update_from_output(so, h.fake_runner_output(so))
+    sched.add_request(h.fake_request("second", 8, images=[("img", 0, 4)], max_tokens=2))
+    waited = 0
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        if "second" not in so.num_scheduled_tokens and sched.requests.get("second"):
+            waited += 1
+            assert sched.encoder_cache.num_references() == 0  # the hit is not pinned
+        sched.update_from_output(so, h.fake_runner_output(so))
+    assert waited >= 2
+    assert sched.counters.encoder_cache_hits == 1
+    assert_clean(sched)

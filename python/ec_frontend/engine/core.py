@@ -263,7 +263,7 @@ class EngineCore:
         rc = self.runner.counters
         return EngineStats(
             encoder_items_computed_total=rc.encoder_items_computed,
-            encoder_cache_hits_total=self.encoder_cache.num_hits,
+            encoder_cache_hits_total=sc.encoder_cache_hits,
             ec_items_loaded_total=rc.ec_items_loaded,
             ec_items_saved_total=rc.ec_items_saved,
             ec_load_fallbacks_total=rc.ec_load_fallbacks,

@@ -31,7 +31,6 @@ class EncoderCacheManager:
         self._sizes: dict[str, int] = {}
         self._freeable: OrderedDict[str, int] = OrderedDict()
         self._freed: list[str] = []
-        self.num_hits = 0
 
     def contains(self, mm_hash: str) -> bool:
         return mm_hash in self._sizes
@@ -46,7 +45,6 @@ class EncoderCacheManager:
             if not refs:
                 self._freeable.pop(mm_hash, None)
             refs.add(request.request_id)
-            self.num_hits += 1
         return True
 
     def has_ref(self, request: Request, index: int) -> bool:

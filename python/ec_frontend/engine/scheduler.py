@@ -37,6 +37,7 @@ __all__ = ["Scheduler", "SchedulerCounters", "SchedulerOutput"]
 class SchedulerCounters:
     prompt_tokens_computed: int = 0
     kv_tokens_received: int = 0
+    encoder_cache_hits: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
 
@@ -48,6 +49,7 @@ class _EncoderPlan:
     num_new_tokens: int
     encoder_budget: int
     error: str | None = None
+    hits: int = 0
 
 
 class Scheduler:
@@ -269,9 +271,9 @@ class Scheduler:
             if plan.error is not None:
                 self._fail(request, plan.error)
                 continue
-            if plan.num_new_tokens == 0:
-                break
-            if not self._allocate(request, start + plan.num_new_tokens):
+            if plan.num_new_tokens == 0 or not self._allocate(request, start + plan.num_new_tokens):
+                # Not admitted: keep no cache hits pinned while it waits.
+                self.encoder_cache.free(request)
                 break
             self.waiting.popleft()
             if self.kv_connector is not None:
@@ -334,6 +336,7 @@ class Scheduler:
         load: list[int] = []
         seen: set[str] = set()
         rows = 0
+        hits = 0
         end = start + num_new
         consumer = self.ec_connector is not None and self.ec_connector.is_consumer
         for i, feature in enumerate(request.mm_features):
@@ -344,6 +347,7 @@ class Scheduler:
             if feature.mm_hash in seen or self.encoder_cache.has_ref(request, i):
                 continue
             if self.encoder_cache.check_and_update_cache(request, i):
+                hits += 1
                 continue
             loadable = consumer and self.ec_connector.has_cache_item(feature.mm_hash, request)
             # An item larger than the whole budget runs alone rather than never.
@@ -371,9 +375,10 @@ class Scheduler:
                 encoder_budget -= feature.length
             seen.add(feature.mm_hash)
             rows += feature.length
-        return _EncoderPlan(encode, load, max(0, num_new), encoder_budget)
+        return _EncoderPlan(encode, load, max(0, num_new), encoder_budget, hits=hits)
 
     def _commit_encoder_plan(self, request: Request, plan: _EncoderPlan) -> None:
+        self.counters.encoder_cache_hits += plan.hits
         for i in plan.encode:
             self.encoder_cache.allocate(request, i)
         for i in plan.load:
