@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
+from ec_frontend.engine.model_inputs import build_model_inputs
 from ec_frontend.engine.outputs import ModelRunnerOutput
 from ec_frontend.engine.sampler import Sampler, SamplingRow, make_generator
-from ec_frontend.model.interface import AttentionMetadata, VisionLanguageModel
+from ec_frontend.model.interface import VisionLanguageModel
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.kv_base import KVConnectorBase
-    from ec_frontend.engine.request import Request
     from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutput
     from ec_frontend.model.processor import MultiModalFeature
 
@@ -249,48 +249,14 @@ class ModelRunner:
 
     def _forward_and_sample(self, batch: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
         model = self.model
-        device = model.device
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in batch)
-        tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
-        for i, item in enumerate(batch):
-            request = item.request
-            start = item.num_computed_tokens
-            end = start + item.num_scheduled_tokens
-            input_ids.extend(request.token_ids_range(start, end))
-            positions.append(_positions(request, start, end))
-            table = torch.tensor(item.block_ids, dtype=torch.int64)
-            tables[i, : len(item.block_ids)] = table
-            index = torch.arange(start, end, dtype=torch.int64)
-            slots.append(table[index // bs] * bs + index % bs)
-            query_lens.append(end - start)
-            seq_lens.append(end)
-
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            query_lens=torch.tensor(query_lens, dtype=torch.int64, device=device),
-            block_tables=tables.to(device),
-            slot_mapping=torch.cat(slots).to(device),
-            block_size=bs,
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=query_lens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        embeds = model.embed_tokens(ids)
+        inputs = build_model_inputs(batch, self.block_size, model.device)
+        query_start = inputs.query_start
+        embeds = model.embed_tokens(inputs.input_ids)
         for i, item in enumerate(batch):
             self._scatter_encoder_outputs(embeds, item, query_start[i])
-        hidden = model.forward(embeds, torch.cat(positions, dim=1).to(device), self.kv_caches, meta)
+        hidden = model.forward(embeds, inputs.positions, self.kv_caches, inputs.attn_metadata)
         self.counters.lm_forward_calls += 1
-        self.counters.lm_tokens += len(input_ids)
+        self.counters.lm_tokens += inputs.num_tokens
         self.counters.lm_requests += len(batch)
         self.counters.max_requests_per_forward = max(
             self.counters.max_requests_per_forward, len(batch)
@@ -299,7 +265,7 @@ class ModelRunner:
         sampling = [i for i, item in enumerate(batch) if item.sample]
         if not sampling:
             return
-        rows_idx = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=device)
+        rows_idx = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=model.device)
         logits = model.compute_logits(hidden[rows_idx])
         rows = [self._sampling_row(batch[i]) for i in sampling]
         tokens, logprobs = self.sampler(logits, rows)
@@ -332,21 +298,3 @@ class ModelRunner:
                 generator = make_generator(params.seed, self.model.device)
                 self._generators[request.request_id] = generator
         return SamplingRow(params, generator, request.prompt_token_ids, request.output_token_ids)
-
-
-def _positions(request: Request, start: int, end: int) -> torch.Tensor:
-    """``[3, end - start]`` M-RoPE positions of tokens ``[start, end)``.
-
-    Prompt tokens take the processor's positions; later tokens ``i`` take
-    ``i + mrope_position_delta`` on all three components.
-    """
-    prompt_len = request.num_prompt_tokens
-    delta = request.mrope_position_delta
-    table = request.mrope_positions
-    parts = []
-    split = min(max(start, prompt_len), end) if table is not None else start
-    if table is not None and start < split:
-        parts.append(table[:, start:split].to(torch.int64))
-    if split < end:
-        parts.append(torch.arange(split, end, dtype=torch.int64).add_(delta).expand(3, -1))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
