@@ -191,6 +191,7 @@ def plot(median: dict[int, float], path: Path) -> None:
     ax.bar([str(c) for c in levels], [median[c] for c in levels], color="#4c72b0")
     for i, c in enumerate(levels):
         ax.text(i, median[c], f"{median[c] / median[1]:.1f}x", ha="center", va="bottom")
+    ax.set_ylim(0, max(median.values()) * 1.15)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("generated tokens / s")
     ax.set_title("Continuous batching (built-in model)")
