@@ -171,7 +171,7 @@ pub fn opt_bool(v: Option<&Value<'_>>, path: &Path<'_>, default: bool) -> Result
 pub fn opt_object(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<Option<Value<'static>>> {
     match present(v) {
         None => Ok(None),
-        Some(v @ Value::Object(_)) => Ok(Some(v.clone().into_owned())),
+        Some(v @ Value::Object(_)) => Ok(Some(v.to_owned_value())),
         Some(other) => Err(type_error(path, "an object", other)),
     }
 }

@@ -3,9 +3,13 @@
 //! serde_json does the tokenizing; a seeded visitor builds the borrowed tree and
 //! enforces the depth and string-size limits while it goes, so a 10,000-deep body is
 //! refused after [`Limits::effective_depth`] levels without deep recursion.
+//!
+//! Integers beyond 64 bits: serde_json hands them over as (rounded) floats. The visitor
+//! notes when a float could be such an integer, and only then a second scan of the
+//! text restores the exact digits of every integer literal that overflowed.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -14,20 +18,23 @@ use crate::error::{RequestError, Result};
 use crate::limits::Limits;
 use crate::value::{Number, Value};
 
-/// The key serde_json (with `arbitrary_precision`) uses to hand over a number it did
-/// not fit into 64 bits, as a one-member map.
-const NUMBER_TOKEN: &str = "$serde_json::private::Number";
-
 /// Most digits accepted in an integer beyond 64 bits (Python's default conversion limit).
 const MAX_BIGINT_DIGITS: usize = 4300;
 
-struct Ctx {
+/// Parse state shared by the visitors of one body.
+struct Ctx<'de> {
     max_depth: usize,
     max_string_bytes: usize,
     error: RefCell<Option<RequestError>>,
+    /// A float was seen that may be a rounded integer literal beyond 64 bits.
+    maybe_big_integer: Cell<bool>,
+    /// Elements and members of the containers being parsed, as one stack: each
+    /// container moves its own tail into an exactly sized `Vec` when it closes.
+    items: RefCell<Vec<Value<'de>>>,
+    members: RefCell<Vec<(Cow<'de, str>, Value<'de>)>>,
 }
 
-impl Ctx {
+impl Ctx<'_> {
     fn fail<E: de::Error>(&self, err: RequestError) -> E {
         self.error.borrow_mut().get_or_insert(err);
         E::custom("rejected")
@@ -63,6 +70,9 @@ pub fn parse_str<'de>(text: &'de str, limits: &Limits) -> Result<Value<'de>> {
         max_depth: limits.effective_depth(),
         max_string_bytes: limits.max_string_bytes,
         error: RefCell::new(None),
+        maybe_big_integer: Cell::new(false),
+        items: RefCell::new(Vec::with_capacity(64)),
+        members: RefCell::new(Vec::with_capacity(64)),
     };
     let mut de = serde_json::Deserializer::from_str(text);
     let parsed = ValueSeed {
@@ -71,10 +81,98 @@ pub fn parse_str<'de>(text: &'de str, limits: &Limits) -> Result<Value<'de>> {
     }
     .deserialize(&mut de)
     .and_then(|v| de.end().map(|()| v));
-    parsed.map_err(|err| match ctx.error.take() {
+    let mut value = parsed.map_err(|err| match ctx.error.take() {
         Some(typed) => typed,
         None => map_serde_error(text, &err),
-    })
+    })?;
+    if ctx.maybe_big_integer.get() {
+        restore_big_integers(text, &mut value)?;
+    }
+    Ok(value)
+}
+
+/// Replaces every float that came from an integer literal (no `.`, `e` or `E`) with the
+/// literal's exact digits. Number literals are met in the same order as the tree holds
+/// the values, so one scan of the text pairs them up.
+fn restore_big_integers<'de>(text: &'de str, value: &mut Value<'de>) -> Result<()> {
+    let mut literals = NumberLiterals {
+        text: text.as_bytes(),
+        pos: 0,
+    };
+    restore_in(value, &mut literals, text)
+}
+
+fn restore_in<'de>(
+    value: &mut Value<'de>,
+    literals: &mut NumberLiterals<'_>,
+    text: &'de str,
+) -> Result<()> {
+    match value {
+        Value::Number(n) => {
+            let Some((start, end)) = literals.next() else {
+                return Ok(());
+            };
+            let literal = &text[start..end];
+            if let Number::Float(_) = n {
+                if !literal.contains(['.', 'e', 'E']) {
+                    let digits = literal.trim_start_matches('-').len();
+                    if digits > MAX_BIGINT_DIGITS {
+                        return Err(RequestError::LimitExceeded {
+                            param: None,
+                            message: format!(
+                                "an integer of {digits} digits is over the limit of {MAX_BIGINT_DIGITS}"
+                            ),
+                        });
+                    }
+                    *value = Value::BigInt(Cow::Borrowed(literal));
+                }
+            }
+            Ok(())
+        }
+        Value::Array(items) => items
+            .iter_mut()
+            .try_for_each(|v| restore_in(v, literals, text)),
+        Value::Object(members) => members
+            .iter_mut()
+            .try_for_each(|(_, v)| restore_in(v, literals, text)),
+        _ => Ok(()),
+    }
+}
+
+/// The byte ranges of number literals of a valid JSON text, in order (strings skipped).
+struct NumberLiterals<'t> {
+    text: &'t [u8],
+    pos: usize,
+}
+
+impl Iterator for NumberLiterals<'_> {
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<(usize, usize)> {
+        let t = self.text;
+        while self.pos < t.len() {
+            match t[self.pos] {
+                b'"' => {
+                    self.pos += 1;
+                    while self.pos < t.len() && t[self.pos] != b'"' {
+                        self.pos += if t[self.pos] == b'\\' { 2 } else { 1 };
+                    }
+                    self.pos += 1;
+                }
+                b'-' | b'0'..=b'9' => {
+                    let start = self.pos;
+                    while self.pos < t.len()
+                        && matches!(t[self.pos], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                    {
+                        self.pos += 1;
+                    }
+                    return Some((start, self.pos));
+                }
+                _ => self.pos += 1,
+            }
+        }
+        None
+    }
 }
 
 fn map_serde_error(text: &str, err: &serde_json::Error) -> RequestError {
@@ -122,12 +220,12 @@ fn depth_error(max: usize) -> RequestError {
 }
 
 #[derive(Clone, Copy)]
-struct ValueSeed<'c> {
-    ctx: &'c Ctx,
+struct ValueSeed<'c, 'de> {
+    ctx: &'c Ctx<'de>,
     depth: usize,
 }
 
-impl<'de> DeserializeSeed<'de> for ValueSeed<'_> {
+impl<'de> DeserializeSeed<'de> for ValueSeed<'_, 'de> {
     type Value = Value<'de>;
 
     fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value<'de>, D::Error> {
@@ -135,7 +233,7 @@ impl<'de> DeserializeSeed<'de> for ValueSeed<'_> {
     }
 }
 
-impl ValueSeed<'_> {
+impl ValueSeed<'_, '_> {
     fn check_string<E: de::Error>(&self, len: usize) -> Result<(), E> {
         if len > self.ctx.max_string_bytes {
             return Err(self.ctx.fail(RequestError::LimitExceeded {
@@ -159,42 +257,9 @@ impl ValueSeed<'_> {
             depth,
         })
     }
-
-    fn number_from_text<E: de::Error>(&self, text: &str) -> Result<Value<'static>, E> {
-        let is_integer = !text.contains(['.', 'e', 'E']);
-        if is_integer {
-            let digits = text.trim_start_matches('-').len();
-            if digits > MAX_BIGINT_DIGITS {
-                return Err(self.ctx.fail(RequestError::LimitExceeded {
-                    param: None,
-                    message: format!(
-                        "an integer of {digits} digits is over the limit of {MAX_BIGINT_DIGITS}"
-                    ),
-                }));
-            }
-            if text == "-0" {
-                return Ok(Value::Number(Number::Int(0)));
-            }
-            return Ok(Value::BigInt(Cow::Owned(text.to_owned())));
-        }
-        match text.parse::<f64>() {
-            Ok(f) if f.is_finite() => Ok(Value::Number(Number::Float(f))),
-            _ => Err(self.ctx.fail(RequestError::InvalidJson {
-                message: format!("invalid JSON: number {} is out of range", truncate(text)),
-            })),
-        }
-    }
 }
 
-fn truncate(text: &str) -> String {
-    if text.len() <= 40 {
-        text.to_owned()
-    } else {
-        format!("{}...", &text[..40])
-    }
-}
-
-impl<'de> Visitor<'de> for ValueSeed<'_> {
+impl<'de> Visitor<'de> for ValueSeed<'_, 'de> {
     type Value = Value<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -222,6 +287,9 @@ impl<'de> Visitor<'de> for ValueSeed<'_> {
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value<'de>, E> {
         if v.is_finite() {
+            if v.fract() == 0.0 && v.abs() >= 9.2e18 {
+                self.ctx.maybe_big_integer.set(true);
+            }
             Ok(Value::Number(Number::Float(v)))
         } else {
             Err(self.ctx.fail(RequestError::InvalidJson {
@@ -247,10 +315,11 @@ impl<'de> Visitor<'de> for ValueSeed<'_> {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value<'de>, A::Error> {
         let inner = self.nested()?;
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        let mark = self.ctx.items.borrow().len();
         while let Some(item) = seq.next_element_seed(inner)? {
-            items.push(item);
+            self.ctx.items.borrow_mut().push(item);
         }
+        let items = self.ctx.items.borrow_mut().drain(mark..).collect();
         Ok(Value::Array(items))
     }
 
@@ -260,27 +329,25 @@ impl<'de> Visitor<'de> for ValueSeed<'_> {
             self.nested::<A::Error>()?;
             return Ok(Value::Object(Vec::new()));
         };
-        if first == NUMBER_TOKEN {
-            let text: String = map.next_value()?;
-            return self.number_from_text(&text);
-        }
         let inner = self.nested()?;
-        let mut members = Vec::with_capacity(8);
-        members.push((first, map.next_value_seed(inner)?));
+        let mark = self.ctx.members.borrow().len();
+        let value = map.next_value_seed(inner)?;
+        self.ctx.members.borrow_mut().push((first, value));
         while let Some(key) = map.next_key_seed(key_seed)? {
             let value = map.next_value_seed(inner)?;
-            members.push((key, value));
+            self.ctx.members.borrow_mut().push((key, value));
         }
+        let members = self.ctx.members.borrow_mut().drain(mark..).collect();
         Ok(Value::Object(members))
     }
 }
 
 #[derive(Clone, Copy)]
-struct KeySeed<'c> {
-    outer: ValueSeed<'c>,
+struct KeySeed<'c, 'de> {
+    outer: ValueSeed<'c, 'de>,
 }
 
-impl<'de> DeserializeSeed<'de> for KeySeed<'_> {
+impl<'de> DeserializeSeed<'de> for KeySeed<'_, 'de> {
     type Value = Cow<'de, str>;
 
     fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Cow<'de, str>, D::Error> {
@@ -288,7 +355,7 @@ impl<'de> DeserializeSeed<'de> for KeySeed<'_> {
     }
 }
 
-impl<'de> Visitor<'de> for KeySeed<'_> {
+impl<'de> Visitor<'de> for KeySeed<'_, 'de> {
     type Value = Cow<'de, str>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -11,25 +11,45 @@ use crate::value::Value;
 /// Accumulates the media items of one request in order of appearance.
 pub struct MediaCollector<'l> {
     limits: &'l Limits,
-    content: blake3::Hasher,
-    url: blake3::Hasher,
+    model_id: &'l str,
+    /// Canonical JSON of the processor kwargs.
+    kwargs: String,
+    /// Hashers primed with tag, model id and kwargs; made on first use.
+    content: Option<blake3::Hasher>,
+    url: Option<blake3::Hasher>,
     total_bytes: usize,
     pub items: Vec<MediaItem>,
 }
 
 impl<'l> MediaCollector<'l> {
     /// `model_id` and the processor kwargs enter every hash of this request.
-    pub fn new(limits: &'l Limits, model_id: &str, processor_kwargs: Option<&Value<'_>>) -> Self {
-        let kwargs = processor_kwargs
-            .map(Value::canonical_json)
-            .unwrap_or_default();
+    pub fn new(
+        limits: &'l Limits,
+        model_id: &'l str,
+        processor_kwargs: Option<&Value<'_>>,
+    ) -> Self {
         Self {
             limits,
-            content: crate::media::prefix_hasher(crate::media::CONTENT_TAG, model_id, &kwargs),
-            url: crate::media::prefix_hasher(crate::media::URL_TAG, model_id, &kwargs),
+            model_id,
+            kwargs: processor_kwargs
+                .map(Value::canonical_json)
+                .unwrap_or_default(),
+            content: None,
+            url: None,
             total_bytes: 0,
             items: Vec::new(),
         }
+    }
+
+    fn hash(&mut self, url_reference: bool, data: &[u8]) -> String {
+        let (slot, tag) = if url_reference {
+            (&mut self.url, crate::media::URL_TAG)
+        } else {
+            (&mut self.content, crate::media::CONTENT_TAG)
+        };
+        let primed = slot
+            .get_or_insert_with(|| crate::media::prefix_hasher(tag, self.model_id, &self.kwargs));
+        crate::media::finish_hash(primed.clone(), data)
     }
 
     /// Adds one image given by `url` (a base64 `data:` URL or an http(s) URL) found at
@@ -95,7 +115,7 @@ impl<'l> MediaCollector<'l> {
             self.total_bytes += data.len();
             let mm_hash = match uuid {
                 Some(u) => hash_for_uuid(u),
-                None => crate::media::finish_hash(self.content.clone(), &data),
+                None => self.hash(false, &data),
             };
             MediaItem {
                 kind: "image",
@@ -116,7 +136,7 @@ impl<'l> MediaCollector<'l> {
             }
             let mm_hash = match uuid {
                 Some(u) => hash_for_uuid(u),
-                None => crate::media::finish_hash(self.url.clone(), url.as_bytes()),
+                None => self.hash(true, url.as_bytes()),
             };
             MediaItem {
                 kind: "image",

@@ -36,6 +36,27 @@ pub fn merge_transfer_params<'a>(
     Some(Value::Object(members))
 }
 
+/// [`merge_transfer_params`] for a caller that owns `xargs` and gives it up: the same
+/// result, without copying `xargs`.
+pub fn merge_transfer_params_owned<'a>(
+    xargs: Option<Value<'a>>,
+    params: Option<&Value<'a>>,
+    key: &'static str,
+) -> Option<Value<'a>> {
+    let Some(params) = params else {
+        return xargs;
+    };
+    let mut members = match xargs {
+        Some(Value::Object(mut members)) => {
+            members.retain(|(k, _)| k != key);
+            members
+        }
+        _ => Vec::with_capacity(1),
+    };
+    members.push((Cow::Borrowed(key), params.clone()));
+    Some(Value::Object(members))
+}
+
 /// [`merge_transfer_params`] under [`KV_KEY`].
 pub fn merge_kv_transfer_params<'a>(
     xargs: Option<&Value<'a>>,

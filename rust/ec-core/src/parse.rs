@@ -11,7 +11,7 @@ use crate::json::parse_body;
 use crate::limits::Limits;
 use crate::media::is_valid_mm_hash;
 use crate::media_items::MediaCollector;
-use crate::merge::{merge_ec_transfer_params, merge_kv_transfer_params};
+use crate::merge::{merge_transfer_params_owned, EC_KEY, KV_KEY};
 use crate::path::{Path, ROOT};
 use crate::request::{Endpoint, Features, ParsedRequest, Placeholder, Prompt};
 use crate::sampling::{sampling_params, stream_flags, LengthFields, LogprobStyle};
@@ -187,9 +187,9 @@ pub fn parse_request(
     }
     req.media = media.items;
 
-    let merged = merge_kv_transfer_params(base_xargs.as_ref(), req.kv_transfer_params.as_ref());
+    let merged = merge_transfer_params_owned(base_xargs, req.kv_transfer_params.as_ref(), KV_KEY);
     req.sampling.extra_args =
-        merge_ec_transfer_params(merged.as_ref(), req.ec_transfer_params.as_ref());
+        merge_transfer_params_owned(merged, req.ec_transfer_params.as_ref(), EC_KEY);
     Ok(req)
 }
 

@@ -68,6 +68,24 @@ impl<'a> Value<'a> {
         }
     }
 
+    /// An owned copy, made in one pass.
+    pub fn to_owned_value(&self) -> OwnedValue {
+        match self {
+            Value::Null => Value::Null,
+            Value::Bool(b) => Value::Bool(*b),
+            Value::Number(n) => Value::Number(*n),
+            Value::BigInt(s) => Value::BigInt(Cow::Owned(s.to_string())),
+            Value::String(s) => Value::String(Cow::Owned(s.to_string())),
+            Value::Array(items) => Value::Array(items.iter().map(Value::to_owned_value).collect()),
+            Value::Object(members) => Value::Object(
+                members
+                    .iter()
+                    .map(|(k, v)| (Cow::Owned(k.to_string()), v.to_owned_value()))
+                    .collect(),
+            ),
+        }
+    }
+
     /// The value of the last member named `key`, if this is an object that has one.
     pub fn get(&self, key: &str) -> Option<&Value<'a>> {
         match self {
@@ -170,9 +188,10 @@ impl Serialize for Value<'_> {
             Value::Number(Number::UInt(u)) => serializer.serialize_u64(*u),
             Value::Number(Number::Float(f)) => serializer.serialize_f64(*f),
             Value::BigInt(digits) => {
-                // serde_json with arbitrary_precision writes a Number's digits verbatim.
-                let n: serde_json::Number = digits.parse().map_err(serde::ser::Error::custom)?;
-                n.serialize(serializer)
+                // A raw value keeps every digit (a serde_json Number would round it).
+                let raw = serde_json::value::RawValue::from_string(digits.to_string())
+                    .map_err(serde::ser::Error::custom)?;
+                raw.serialize(serializer)
             }
             Value::String(s) => serializer.serialize_str(s),
             Value::Array(items) => {
