@@ -38,11 +38,16 @@ def free_port() -> int:
 class ServerProcess:
     """One ``ec-frontend serve`` process; stopped with SIGTERM (it must exit 0)."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        program: list[str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve"]
-        cmd += ["--port", str(self.port), "--log-level", "warning", *args]
+        cmd = program or [sys.executable, "-m", "ec_frontend.entrypoints.cli"]
+        cmd = [*cmd, "serve", "--port", str(self.port), "--log-level", "warning", *args]
         self.log = io.BytesIO()
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ def _status_of(exc: BaseException) -> BaseException:
         return APIError(exc.status_code, str(exc.detail), code="http_error")
     if isinstance(exc, APIError | RequestError):
         return exc
+    engine_mod = sys.modules.get("ec_frontend.engine.async_engine")
+    if engine_mod is not None and isinstance(exc, engine_mod.EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
     log.error("unhandled error", exc_info=exc)
     return APIError(500, "internal server error", code="internal_error")
 

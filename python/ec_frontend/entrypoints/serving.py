@@ -160,8 +160,11 @@ class Serving:
         except APIError:
             raise
         except (ValueError, OSError, IndexError) as exc:
+            code = getattr(exc, "code", None)
             raise APIError(
-                400, f"could not process the request inputs: {exc}", code="invalid_input"
+                400,
+                f"could not process the request inputs: {exc}",
+                code=code if isinstance(code, str) else "invalid_input",
             ) from exc
 
     async def make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
