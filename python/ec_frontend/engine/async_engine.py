@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
 
+#: Outputs bound for one client loop: (the stream's queue, the output).
+_Deliveries = list[tuple["asyncio.Queue[RequestOutput]", RequestOutput]]
+
 
 class EngineDeadError(RuntimeError):
     """The engine was shut down, or its loop stopped on an internal error."""
@@ -155,8 +158,7 @@ class AsyncEngine:
                     # Snapshot first: a client that saw an output finds it counted.
                     with self._lock:
                         self._stats = core.stats()
-                    for output in outputs:
-                        self._deliver(output)
+                    self._deliver(outputs)
                 else:
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
@@ -172,7 +174,7 @@ class AsyncEngine:
             output = RequestOutput(
                 request_id=request_id, finished=True, finish_reason="error", error=reason
             )
-            self._post(sink, output)
+            self._post(sink.loop, [(sink.queue, output)])
 
     def _drain_commands(self) -> None:
         while True:
@@ -185,27 +187,40 @@ class AsyncEngine:
                 try:
                     self.core.add_request(request_id, inputs, params)
                 except Exception as exc:
-                    self._deliver(
-                        RequestOutput(
-                            request_id=request_id,
-                            finished=True,
-                            finish_reason="error",
-                            error=f"request could not be added: {exc}",
-                        )
+                    failed = RequestOutput(
+                        request_id=request_id,
+                        finished=True,
+                        finish_reason="error",
+                        error=f"request could not be added: {exc}",
                     )
+                    self._deliver([failed])
             else:
                 self.core.abort(payload)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Post outputs to their streams: one wake-up per client loop and step."""
+        batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
         with self._lock:
-            sink = self._sinks.get(output.request_id)
-            if sink is not None and output.finished:
-                del self._sinks[output.request_id]
-        if sink is not None:
-            self._post(sink, output)
+            for output in outputs:
+                sink = self._sinks.get(output.request_id)
+                if sink is None:
+                    continue
+                if output.finished:
+                    del self._sinks[output.request_id]
+                batches.setdefault(sink.loop, []).append((sink.queue, output))
+        for loop, items in batches.items():
+            self._post(loop, items)
 
     @staticmethod
-    def _post(sink: _Sink, output: RequestOutput) -> None:
+    def _post(
+        loop: asyncio.AbstractEventLoop,
+        items: _Deliveries,
+    ) -> None:
         with contextlib.suppress(RuntimeError):
-            # The client loop may already be closed; its request is gone with it.
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, output)
+            # The client loop may already be closed; its requests are gone with it.
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: _Deliveries) -> None:
+    for q, output in items:
+        q.put_nowait(output)
