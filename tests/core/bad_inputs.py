@@ -122,10 +122,10 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
         None,
     ),
     (
-        "huge-integer-digits",
+        "huge-integer-5000-digits",
         "chat",
         _chat()[:-1] + b', "vllm_xargs": {"a": ' + b"9" * 5000 + b"}}",
-        "limit_exceeded",
+        "invalid_json",
         None,
     ),
     # Valid JSON, wrong shape.

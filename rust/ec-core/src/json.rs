@@ -6,7 +6,8 @@
 //!
 //! Integers beyond 64 bits: serde_json hands them over as (rounded) floats. The visitor
 //! notes when a float could be such an integer, and only then a second scan of the
-//! text restores the exact digits of every integer literal that overflowed.
+//! text restores the exact digits of every integer literal that overflowed. Integers
+//! beyond the float range (over 308 digits) are refused as out of range.
 
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
@@ -17,9 +18,6 @@ use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use crate::error::{RequestError, Result};
 use crate::limits::Limits;
 use crate::value::{Number, Value};
-
-/// Most digits accepted in an integer beyond 64 bits (Python's default conversion limit).
-const MAX_BIGINT_DIGITS: usize = 4300;
 
 /// Parse state shared by the visitors of one body.
 struct Ctx<'de> {
@@ -113,19 +111,8 @@ fn restore_in<'de>(
                 return Ok(());
             };
             let literal = &text[start..end];
-            if let Number::Float(_) = n {
-                if !literal.contains(['.', 'e', 'E']) {
-                    let digits = literal.trim_start_matches('-').len();
-                    if digits > MAX_BIGINT_DIGITS {
-                        return Err(RequestError::LimitExceeded {
-                            param: None,
-                            message: format!(
-                                "an integer of {digits} digits is over the limit of {MAX_BIGINT_DIGITS}"
-                            ),
-                        });
-                    }
-                    *value = Value::BigInt(Cow::Borrowed(literal));
-                }
+            if matches!(n, Number::Float(_)) && !literal.contains(['.', 'e', 'E']) {
+                *value = Value::BigInt(Cow::Borrowed(literal));
             }
             Ok(())
         }

@@ -168,3 +168,27 @@ fn data_urls_and_hashes() {
     let hashed = ec_core::hash_for_uuid("Not-Hex");
     assert!(ec_core::is_valid_mm_hash(&hashed) && hashed.len() == 64);
 }
+
+#[test]
+fn big_integers_keep_every_digit() {
+    let digits = format!("-{}", "987654321".repeat(33));
+    let doc = format!(r#"{{"a":[1e19,{digits},18446744073709551616,0.5]}}"#);
+    let v = value(&doc);
+    let items = match v.get("a") {
+        Some(Value::Array(items)) => items.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        matches!(items[0], Value::Number(ec_core::Number::Float(_))),
+        "1e19 stays a float"
+    );
+    assert_eq!(items[1], Value::BigInt(digits.as_str().into()));
+    assert_eq!(items[2], Value::BigInt("18446744073709551616".into()));
+    assert_eq!(
+        serde_json::to_string(&v).expect("serializes"),
+        format!(r#"{{"a":[1e+19,{digits},18446744073709551616,0.5]}}"#)
+    );
+    let too_big = format!(r#"{{"a":{}}}"#, "9".repeat(400));
+    let err = parse_str(&too_big, &Limits::default()).expect_err("beyond f64 range");
+    assert_eq!(err.code(), "invalid_json");
+}
