@@ -350,3 +350,27 @@ def test_failures_stay_with_their_request(
     assert stats.requests_failed_total == 2
     h.assert_no_leaks(core)
     assert stats.kv_blocks_used == 0 and stats.encoder_cache_refs == 0
+
+
+def test_prefill_chunks_and_decodes_share_a_forward(
+    make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    core, model = make_engine(max_num_batched_tokens=24)
+    core.add_request("a", h.chat_inputs(processor, "short", []), greedy(12))
+    core.step()
+    core.step()
+    long = h.chat_inputs(processor, "a longer prompt " * 6, [h.image_media(90)])
+    assert len(long.prompt_token_ids) > 48
+    core.add_request("b", long, greedy(4))
+    seen: list[list[int]] = []
+    inner_forward = model.forward
+
+    def spy(embeds: Any, positions: Any, kv: Any, meta: Any) -> Any:
+        seen.append(list(meta.query_lens_cpu))
+        return inner_forward(embeds, positions, kv, meta)
+
+    model.forward = spy  # type: ignore[method-assign]
+    h.run_to_completion(core)
+    # "a" decodes (1 token) in the same forwards as "b"'s prefill chunks (23 tokens).
+    assert seen[0] == [1, 23] and seen[1] == [1, 23]
+    h.assert_no_leaks(core)
