@@ -47,6 +47,8 @@ def _dtype(opts: ServeOptions) -> str:
 
 def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
     """The engine config and the checkpoint directory for ``opts``."""
+    ec = ECTransferConfig.from_json(opts.ec_transfer_config) if opts.ec_transfer_config else None
+    kv = KVTransferConfig.from_json(opts.kv_transfer_config) if opts.kv_transfer_config else None
     from ec_frontend.model.builtin import BUILTIN_MODEL_ID, ensure_builtin_checkpoint
     from ec_frontend.model.loader import load_config
 
@@ -72,12 +74,8 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
         device=opts.device,
         dtype=_dtype(opts),
         scheduler=SchedulerConfig(**sched),
-        ec_transfer=(
-            ECTransferConfig.from_json(opts.ec_transfer_config) if opts.ec_transfer_config else None
-        ),
-        kv_transfer=(
-            KVTransferConfig.from_json(opts.kv_transfer_config) if opts.kv_transfer_config else None
-        ),
+        ec_transfer=ec,
+        kv_transfer=kv,
     )
     return config, str(path)
 
