@@ -136,6 +136,7 @@ def test_concurrent_writers_of_one_hash(tmp_path: Path) -> None:
     assert torch.equal(load(consumer, [(mm_hash, 64)])[mm_hash], value)
 
 
+@pytest.mark.slow
 def test_concurrent_writer_processes(tmp_path: Path) -> None:
     mm_hash = h("proc")
     script = (
@@ -262,6 +263,7 @@ def test_factory_alias_and_noop(tmp_path: Path) -> None:
     assert isinstance(noop, NoOpECConnector)
 
 
+@pytest.mark.slow
 def test_factory_imports_connectors_lazily() -> None:
     code = (
         "import sys\n"
