@@ -153,7 +153,12 @@ fn is_valid_mm_hash(value: &str) -> bool {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("RequestError", py.get_type::<RequestError>())?;
+    let error_type = py.get_type::<RequestError>();
+    // Class-level defaults; every raised instance sets its own values.
+    error_type.setattr("param", py.None())?;
+    error_type.setattr("message", "")?;
+    error_type.setattr("code", "")?;
+    m.add("RequestError", error_type)?;
     m.add_class::<PyLimits>()?;
     m.add_class::<PyMediaItem>()?;
     m.add_class::<PyParsedRequest>()?;
