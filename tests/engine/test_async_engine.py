@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
+from ec_frontend.connectors.base import ECConnectorRole
+from ec_frontend.connectors.noop import NoOpECConnector
 from ec_frontend.engine.async_engine import AsyncEngine, EngineDeadError
+from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.outputs import RequestOutput
+from ec_frontend.engine.request import Request
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +117,53 @@ def test_invalid_request_fails_alone_over_the_stream(
         engine.shutdown()
     assert bad_out.finish_reason == "error" and "vocabulary" in bad_out.error
     assert good_out.finish_reason == "length"
+
+
+class DelayedSendEC(NoOpECConnector):
+    """Holds each finished request's encoder outputs until ``hold_s`` later."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__(None, ECConnectorRole.SCHEDULER)
+        self.hold_s = hold_s
+        self.pending: dict[str, float] = {}
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self.pending[request.request_id] = time.monotonic() + self.hold_s
+        return True, {"held": True}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        now = time.monotonic()
+        done = {rid for rid, t in self.pending.items() if t <= now}
+        for rid in done:
+            del self.pending[rid]
+        return done or None, None
+
+
+def test_delayed_free_is_polled_without_spinning(
+    vlm: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    ec = DelayedSendEC(hold_s=0.3)
+    model = h.CountingModel(vlm)
+    core = EngineCore(h.engine_config(), model, tokenizer=processor.tokenizer,
+                      ec_connectors=(ec, ec))  # fmt: skip
+    engine = AsyncEngine(core, processor)
+    inputs = h.chat_inputs(processor, "x", [h.image_media(5)])
+
+    async def main() -> RequestOutput:
+        out, _ = await collect(engine.add_request("r", inputs, greedy(2)))
+        return out
+
+    try:
+        out = asyncio.run(main())
+        assert out.ec_transfer_params == {"held": True}
+        steps_at_finish = engine.stats().engine_steps_total
+        assert engine.stats().encoder_cache_refs == 1  # held for the connector
+        deadline = time.monotonic() + 5
+        while engine.stats().encoder_cache_refs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert stats.encoder_cache_refs == 0 and stats.kv_blocks_used == 0
+        # ~0.3 s of polling at one step per 2 ms or slower, not a busy loop.
+        assert stats.engine_steps_total - steps_at_finish < 250
+    finally:
+        engine.shutdown()

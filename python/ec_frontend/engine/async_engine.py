@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
+#: Pause between steps that only poll connectors (delayed frees, remote KV).
+_POLL_WAIT_S = 0.002
 
 #: Outputs bound for one client loop: (the stream's queue, the output).
 _Deliveries = list[tuple["asyncio.Queue[RequestOutput]", RequestOutput]]
@@ -159,6 +161,9 @@ class AsyncEngine:
                     with self._lock:
                         self._stats = core.stats()
                     self._deliver(outputs)
+                    if not outputs and core.last_num_scheduled == 0:
+                        self._wakeup.wait(_POLL_WAIT_S)
+                        self._wakeup.clear()
                 else:
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()

@@ -114,6 +114,8 @@ class EngineCore:
         self._states: dict[str, _RequestState] = {}
         self._immediate: list[RequestOutput] = []
         self.num_steps = 0
+        #: Requests the last step computed anything for (0: it only polled transfers).
+        self.last_num_scheduled = 0
         self.requests_finished = 0
         self.requests_failed = 0
 
@@ -208,6 +210,7 @@ class EngineCore:
         if not self.scheduler.has_pending_work():
             return outputs
         so = self.scheduler.schedule()
+        self.last_num_scheduled = len(so.scheduled)
         try:
             ro = self.runner.execute(so)
         except Exception as exc:

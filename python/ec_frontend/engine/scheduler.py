@@ -159,6 +159,11 @@ class Scheduler:
         elif self.kv_cache is not None:
             self.kv_cache.free(rid)
         if ec_delay:
+            # Pin the request's encoder outputs (also those its prompt has passed)
+            # until the connector reports them sent.
+            for i, feature in enumerate(request.mm_features):
+                if self.encoder_cache.contains(feature.mm_hash):
+                    self.encoder_cache.check_and_update_cache(request, i)
             self._ec_delayed[rid] = request
         else:
             self.encoder_cache.free(request)
