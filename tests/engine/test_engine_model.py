@@ -374,3 +374,29 @@ def test_prefill_chunks_and_decodes_share_a_forward(
     # "a" decodes (1 token) in the same forwards as "b"'s prefill chunks (23 tokens).
     assert seen[0] == [1, 23] and seen[1] == [1, 23]
     h.assert_no_leaks(core)
+
+
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (lambda x, p: setattr(x, "prompt_token_ids", []), "empty"),
+        (lambda x, p: setattr(x, "prompt_token_ids", [*x.prompt_token_ids, -3]), "vocabulary"),
+        (lambda x, p: setattr(x, "prompt_token_ids", x.prompt_token_ids * 40), "at most"),
+        (lambda x, p: setattr(x, "mrope_positions", x.mrope_positions[:, :-1]), "mrope_positions"),
+        (lambda x, p: setattr(x.mm_features[0], "offset", 10_000), "placeholder range"),
+        (lambda x, p: setattr(p, "n", 2), "n must be 1"),
+    ],
+)
+def test_unservable_inputs_fail_alone(
+    break_it: Any, message: str, make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    core, _ = make_engine()
+    bad = h.chat_inputs(processor, "bad", [h.image_media(3)])
+    params = greedy(3)
+    break_it(bad, params)
+    core.add_request("bad", bad, params)
+    core.add_request("good", h.chat_inputs(processor, "good", [h.image_media(4)]), greedy(3))
+    results = h.run_to_completion(core)
+    assert results["bad"].finish_reason == "error" and message in results["bad"].error
+    assert results["good"].finish_reason == "length" and len(results["good"].token_ids) == 3
+    h.assert_no_leaks(core)

@@ -183,6 +183,11 @@ class EngineCore:
                 f"the prompt has {len(ids)} tokens; this instance allows at most {limit} "
                 f"(max_model_len {self.max_model_len})"
             )
+        if request.sampling_params.n != 1:
+            return "the engine serves one sequence per request (n must be 1)"
+        positions = request.mrope_positions
+        if positions is not None and tuple(positions.shape) != (3, len(ids)):
+            return f"mrope_positions has shape {tuple(positions.shape)}, expected (3, {len(ids)})"
         end = 0
         for feature in request.mm_features:
             if feature.offset < end or feature.offset + feature.length > len(ids):
