@@ -400,3 +400,54 @@ def test_unservable_inputs_fail_alone(
     assert results["bad"].finish_reason == "error" and message in results["bad"].error
     assert results["good"].finish_reason == "length" and len(results["good"].token_ids) == 3
     h.assert_no_leaks(core)
+
+
+def test_randomized_load_under_pressure_matches_a_roomy_run(
+    make_engine: Any, processor: Any, h: Any, greedy: Any
+) -> None:
+    """Shared images, chunked prefill, a small KV and encoder cache, aborts: the
+    surviving requests produce what a roomy engine produces, and nothing leaks."""
+    import random
+
+    rng = random.Random(1234)
+    pool = [h.image_media(100 + i) for i in range(4)]
+    requests = []
+    for i in range(12):
+        images = rng.sample(pool, rng.randint(0, 2))
+        inputs = h.chat_inputs(processor, "words " * rng.randint(1, 12), images)
+        requests.append((f"r{i}", inputs, rng.randint(1, 24)))
+    aborted = {"r3", "r8"}
+
+    def run(core: EngineCore, abort: bool) -> dict[str, Any]:
+        for rid, inputs, n in requests:
+            core.add_request(rid, inputs, greedy(n))
+        results: dict[str, Any] = {}
+        for step in range(2000):
+            if not core.has_work():
+                return results
+            if abort and step == 5:
+                core.abort(sorted(aborted))
+            for out in core.step():
+                if out.request_id in results:
+                    results[out.request_id].add(out)
+                else:
+                    results[out.request_id] = out
+        raise AssertionError("did not finish")
+
+    roomy, _ = make_engine()
+    want = run(roomy, abort=False)
+    tight, _ = make_engine(
+        num_kv_blocks=14, max_model_len=200, max_num_batched_tokens=40,
+        encoder_cache_size=32, encoder_compute_budget=16, max_num_seqs=6,
+    )  # fmt: skip
+    got = run(tight, abort=True)
+    for rid, _, n in requests:
+        if rid in aborted:
+            assert got[rid].finish_reason in ("abort", "length")
+            continue
+        assert got[rid].token_ids == want[rid].token_ids, rid
+        assert len(got[rid].token_ids) == n
+    stats = tight.stats()
+    assert stats.preemptions_total > 0
+    assert stats.encoder_cache_hits_total > 0
+    h.assert_no_leaks(tight)
