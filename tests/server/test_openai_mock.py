@@ -332,3 +332,32 @@ def test_docs_and_openapi(mock_server: ServerProcess) -> None:
     assert "kv_transfer_params" in schemas["ChatCompletionRequest"]["properties"]
     assert "messages" in schemas["ChatCompletionRequest"]["properties"]
     assert "ChatCompletionResponse" in schemas and "GenerateRequest" in schemas
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failure_of_one_request(mock_server: ServerProcess, path: str, stream: bool) -> None:
+    """A request the engine fails gets a 500 body (or an error event); the server lives on."""
+    body: dict[str, Any] = {
+        "model": MOCK_MODEL,
+        "max_tokens": 8,
+        "stream": stream,
+        "vllm_xargs": {"mock_fail_after": 3},
+    }
+    if path == "/v1/completions":
+        body["prompt"] = "abc"
+    elif path == "/v1/responses":
+        body["input"] = "abc"
+    else:
+        body["messages"] = [{"role": "user", "content": "abc"}]
+    r = _post(mock_server, path, body)
+    if not stream:
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "engine_error"
+    else:
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.text.split("\n\n") if "data: " in ln]
+        assert events[-1].endswith("[DONE]")
+        assert '"engine_error"' in events[-2]
+    ok = _post(mock_server, path, {**body, "vllm_xargs": None, "stream": False})
+    assert ok.status_code == 200

@@ -7,8 +7,10 @@ its prompt tokens in order, or in a seeded random order when ``temperature >
 0``. Stop strings, stop token ids and logprobs behave as the real engine's do.
 Transfer params given in ``extra_args`` come back on the finished output, as a
 connector's ``request_finished`` would return them, so their path through the
-server is observable. Bookkeeping stands in for the KV blocks and encoder-cache
-references a real engine holds, so the idle state is observable on ``/metrics``.
+server is observable; ``vllm_xargs: {"mock_fail_after": k}`` makes the
+request fail (``finish_reason="error"``) after ``k`` tokens. Bookkeeping stands
+in for the KV blocks and encoder-cache references a real engine holds, so the
+idle state is observable on ``/metrics``.
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ class MockEngine:
         extra = getattr(params, "extra_args", None) or {}
         kv = extra.get("kv_transfer_params")
         ec = extra.get("ec_transfer_params")
+        fail_after = extra.get("mock_fail_after")
         text = ""
         sent = 0
         hold = max((len(s) for s in stops), default=1) - 1
@@ -233,6 +236,9 @@ class MockEngine:
         for i in range(max_tokens):
             if wait:
                 yield None
+            if fail_after is not None and i == fail_after:
+                yield RequestOutput(request_id, prompt, [], "", True, "error", error="mock failure")
+                return
             if request_id in self._aborted:
                 yield RequestOutput(request_id, prompt, [], text[sent:], True, "abort")
                 return

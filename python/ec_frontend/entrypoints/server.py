@@ -24,8 +24,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
 from ec_frontend.entrypoints import openapi_docs
-from ec_frontend.entrypoints.context import RequestContext
-from ec_frontend.entrypoints.errors import APIError, error_response
+from ec_frontend.entrypoints.context import DONE, RequestContext
+from ec_frontend.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from ec_frontend.entrypoints.generate_api import generate_body, generate_stream
 from ec_frontend.entrypoints.http_middleware import FrontMiddleware, FrontState
 from ec_frontend.entrypoints.openai_format import (
@@ -173,7 +173,7 @@ class App:
     @staticmethod
     def sse(gen: AsyncIterator[bytes]) -> StreamingResponse:
         return StreamingResponse(
-            gen, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            _guarded(gen), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
 
     async def until_disconnect(self, request: Request, coro: Coroutine[Any, Any, T]) -> T:
@@ -280,6 +280,17 @@ class App:
         return Response(
             render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+
+async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream that ends with an error event and ``[DONE]`` instead of breaking off."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    except Exception as exc:
+        err = to_api_error(_status_of(exc))
+        yield b"data: " + error_body(err.status, err.message, err.param, err.code) + b"\n\n"
+        yield DONE
 
 
 def _asks_for_text(parsed: ParsedRequest, body: bytes) -> bool:

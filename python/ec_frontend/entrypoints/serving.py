@@ -28,6 +28,9 @@ from ec_frontend.entrypoints.errors import APIError
 from ec_frontend.entrypoints.sampling import build_sampling_params
 from ec_frontend.metrics import ServerMetrics
 
+#: Seconds an aborted engine request id stays reserved.
+_ABORTED_ID_HOLD_S = 5.0
+
 
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
@@ -50,6 +53,7 @@ class Job:
     inputs: Any
     params: Any
     prompt_text: str | None = None
+    started: bool = False
 
 
 @dataclass(slots=True)
@@ -213,9 +217,11 @@ class Serving:
         return list(self._active)
 
     def release(self, jobs: list[Job]) -> None:
-        """Forget the ids of ``jobs`` (idempotent; :meth:`drive` does it for jobs it ran)."""
+        """Forget the ids of ``jobs`` that never reached the engine (the others are
+        forgotten when they end; see :meth:`_end`)."""
         for j in jobs:
-            self._active.discard(j.request_id)
+            if not j.started:
+                self._active.discard(j.request_id)
 
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab = self.config.vocab_size
@@ -264,14 +270,16 @@ class Serving:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cleanup(self, agen: Any, request_id: str, finished: bool) -> None:
+    async def _cleanup(self, agen: Any, request_id: str) -> None:
         try:
             await agen.aclose()
+            await self.engine.abort(request_id)
         finally:
-            if not finished:
-                await self.engine.abort(request_id)
+            loop = asyncio.get_running_loop()
+            loop.call_later(_ABORTED_ID_HOLD_S, self._active.discard, request_id)
 
     def _start(self, job: Job) -> Any:
+        job.started = True
         return self.engine.add_request(job.request_id, job.inputs, job.params)
 
     def _observe(self, timing: _Timing, out: Any) -> bool:
@@ -296,11 +304,16 @@ class Serving:
         return False
 
     def _end(self, job: Job, agen: Any, timing: _Timing) -> None:
-        """After a job's loop: forget its id; abort it unless it finished (never awaits)."""
-        self._active.discard(job.request_id)
-        if not timing.finished:
-            self.metrics.aborted.inc()
-            self._spawn(self._cleanup(agen, job.request_id, False))
+        """After a job's loop: forget its id, or abort it unless it finished (never awaits).
+
+        An aborted id stays reserved for ``_ABORTED_ID_HOLD_S`` so that a new request
+        reusing it cannot meet the engine's late bookkeeping of the old one.
+        """
+        if timing.finished:
+            self._active.discard(job.request_id)
+            return
+        self.metrics.aborted.inc()
+        self._spawn(self._cleanup(agen, job.request_id))
 
     async def _run(self, job: Job, choice: Choice, started: float) -> None:
         agen = self._start(job)
