@@ -60,7 +60,12 @@ class MediaItem:
     def mime_type(self) -> str | None: ...
     @property
     def data(self) -> bytes | None:
-        """Decoded bytes of an inline (``data:``) item; ``None`` for a URL reference."""
+        """Decoded bytes of an inline (``data:``) item; ``None`` for a URL reference.
+
+        The ``bytes`` object is made on first read (one copy of the decoded buffer) and
+        the same object is returned after that; an item whose bytes are never read is
+        never copied.
+        """
     @property
     def url(self) -> str | None:
         """The http(s) URL of a referenced item; ``None`` for inline data."""

@@ -1,5 +1,7 @@
 //! The Python classes: `Limits`, `MediaItem`, `ParsedRequest`.
 
+use std::sync::{Mutex, OnceLock};
+
 use ec_core::{Endpoint, Features, Message, Part, Prompt, SamplingParams};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -126,8 +128,11 @@ impl PyLimits {
 #[pyclass(module = "ec_frontend._core", name = "MediaItem", frozen)]
 pub struct PyMediaItem {
     mime_type: Option<String>,
-    /// Created once from the decoded bytes; every `.data` returns this same object.
-    data: Option<Py<PyBytes>>,
+    /// The decoded bytes until `.data` is first read; then moved into `data`.
+    raw: Mutex<Option<Vec<u8>>>,
+    /// The `bytes` object, made once on first read; every `.data` returns it. An item
+    /// whose bytes are never read (its encoder output is cached) is never copied.
+    data: OnceLock<Py<PyBytes>>,
     len: usize,
     url: Option<String>,
     uuid: Option<String>,
@@ -136,11 +141,12 @@ pub struct PyMediaItem {
 }
 
 impl PyMediaItem {
-    /// Moves an item into Python, turning its decoded bytes into a `bytes` object once.
-    pub fn from_core(py: Python<'_>, item: ec_core::MediaItem) -> Self {
+    /// Moves an item into Python; its bytes become a `bytes` object on first read.
+    pub fn from_core(item: ec_core::MediaItem) -> Self {
         let len = item.len();
         Self {
-            data: item.data.map(|d| PyBytes::new(py, &d).unbind()),
+            raw: Mutex::new(item.data),
+            data: OnceLock::new(),
             len,
             mime_type: item.mime_type,
             url: item.url,
@@ -163,7 +169,18 @@ impl PyMediaItem {
     }
     #[getter]
     fn data(&self, py: Python<'_>) -> Option<Py<PyBytes>> {
-        self.data.as_ref().map(|d| d.clone_ref(py))
+        if let Some(bytes) = self.data.get() {
+            return Some(bytes.clone_ref(py));
+        }
+        // Under the lock, so that a concurrent first read (free-threaded Python) waits
+        // for the one `bytes` object instead of finding the raw bytes gone.
+        let mut raw = self.raw.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(bytes) = self.data.get() {
+            return Some(bytes.clone_ref(py));
+        }
+        let decoded = raw.take()?;
+        let bytes = self.data.get_or_init(|| PyBytes::new(py, &decoded).unbind());
+        Some(bytes.clone_ref(py))
     }
     #[getter]
     fn url(&self) -> Option<&str> {

@@ -53,7 +53,7 @@ fn parse_request(
     let mut inner = parsed.map_err(|e| to_py_err(py, &e))?;
     let media = std::mem::take(&mut inner.media)
         .into_iter()
-        .map(|item| Py::new(py, PyMediaItem::from_core(py, item)))
+        .map(|item| Py::new(py, PyMediaItem::from_core(item)))
         .collect::<PyResult<Vec<_>>>()?;
     Ok(PyParsedRequest { inner, media })
 }
