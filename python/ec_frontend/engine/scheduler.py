@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.engine.encoder_planner import EncoderInputPlanner, EncoderPlan
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from ec_frontend.engine.request import Request, RequestStatus
 from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -40,16 +41,6 @@ class SchedulerCounters:
     encoder_cache_hits: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
-
-
-@dataclass(slots=True)
-class _EncoderPlan:
-    encode: list[int]
-    load: list[int]
-    num_new_tokens: int
-    encoder_budget: int
-    error: str | None = None
-    hits: int = 0
 
 
 class Scheduler:
@@ -75,6 +66,7 @@ class Scheduler:
         self.ec_connector = ec_connector
         self.kv_connector = kv_connector
         self.encoder_only = kv_cache is None
+        self._planner = EncoderInputPlanner(encoder_cache, ec_connector, config.encoder_budget)
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -197,9 +189,7 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            plan = self._plan_encoder_inputs(
-                request, request.num_computed_tokens, num_new, encoder_budget
-            )
+            plan = self._planner.plan(request, request.num_computed_tokens, num_new, encoder_budget)
             if plan.error is not None:
                 self._fail(request, plan.error)
                 continue
@@ -216,7 +206,7 @@ class Scheduler:
                     break
             if not blocks_ok:
                 break
-            self._commit_encoder_plan(request, plan)
+            self._commit(request, plan)
             encoder_budget = plan.encoder_budget
             token_budget -= plan.num_new_tokens
             scheduled.append(self._scheduled(request, plan, is_new=False))
@@ -272,7 +262,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new > token_budget:
                 break
             num_new = min(num_new, token_budget)
-            plan = self._plan_encoder_inputs(request, start, num_new, encoder_budget)
+            plan = self._planner.plan(request, start, num_new, encoder_budget)
             if plan.error is not None:
                 self._fail(request, plan.error)
                 continue
@@ -287,14 +277,14 @@ class Scheduler:
                 request.num_computed_tokens = start
                 request.num_cached_tokens = num_external
                 self.counters.kv_tokens_received += num_external
-            self._commit_encoder_plan(request, plan)
+            self._commit(request, plan)
             encoder_budget = plan.encoder_budget
             token_budget -= plan.num_new_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, plan, is_new=True))
 
-    def _scheduled(self, request: Request, plan: _EncoderPlan, *, is_new: bool) -> ScheduledRequest:
+    def _scheduled(self, request: Request, plan: EncoderPlan, *, is_new: bool) -> ScheduledRequest:
         end = request.num_computed_tokens + plan.num_new_tokens
         blocks = list(self.kv_cache.block_table(request.request_id)) if self.kv_cache else []
         return ScheduledRequest(
@@ -328,68 +318,9 @@ class Scheduler:
         self.counters.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _plan_encoder_inputs(
-        self, request: Request, start: int, num_new: int, encoder_budget: int
-    ) -> _EncoderPlan:
-        """Which items the chunk ``[start, start + num_new)`` needs, and from where.
-
-        May shorten the chunk to stop before an item that does not fit this step.
-        Has no effect other than referencing encoder-cache hits (and evicting
-        unreferenced entries to make room).
-        """
-        encode: list[int] = []
-        load: list[int] = []
-        seen: set[str] = set()
-        rows = 0
-        hits = 0
-        end = start + num_new
-        consumer = self.ec_connector is not None and self.ec_connector.is_consumer
-        for i, feature in enumerate(request.mm_features):
-            if feature.offset >= end:
-                break
-            if feature.offset + feature.length <= start:
-                continue
-            if feature.mm_hash in seen or self.encoder_cache.has_ref(request, i):
-                continue
-            if self.encoder_cache.check_and_update_cache(request, i):
-                hits += 1
-                continue
-            loadable = consumer and self.ec_connector.has_cache_item(feature.mm_hash, request)
-            # An item larger than the whole budget runs alone rather than never.
-            fits_budget = (
-                loadable
-                or feature.length <= encoder_budget
-                or encoder_budget == self.config.encoder_budget
-            )
-            if not fits_budget or not self.encoder_cache.can_allocate(rows + feature.length):
-                num_new = feature.offset - start
-                break
-            if loadable:
-                load.append(i)
-            elif feature.pixel_values is None:
-                return _EncoderPlan(
-                    [],
-                    [],
-                    0,
-                    encoder_budget,
-                    f"media item {feature.mm_hash} is neither cached, loadable "
-                    "nor encodable here (no pixel values)",
-                )
-            else:
-                encode.append(i)
-                encoder_budget -= feature.length
-            seen.add(feature.mm_hash)
-            rows += feature.length
-        return _EncoderPlan(encode, load, max(0, num_new), encoder_budget, hits=hits)
-
-    def _commit_encoder_plan(self, request: Request, plan: _EncoderPlan) -> None:
+    def _commit(self, request: Request, plan: EncoderPlan) -> None:
+        self._planner.commit(request, plan)
         self.counters.encoder_cache_hits += plan.hits
-        for i in plan.encode:
-            self.encoder_cache.allocate(request, i)
-        for i in plan.load:
-            self.encoder_cache.allocate(request, i)
-            if self.ec_connector is not None:
-                self.ec_connector.update_state_after_alloc(request, i)
 
     # ---- results ------------------------------------------------------------
 
