@@ -1,5 +1,6 @@
 """Sampling parameters from the Rust parser equal those of a pydantic mirror of vLLM's
-``ChatCompletionRequest`` (``vllm_mirror.py``), and both refuse the same bodies."""
+``ChatCompletionRequest`` (``vllm_mirror.py``: the sampling fields, and the whole field
+list with vLLM's "before" validators), and they refuse the same bodies."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import ec_frontend as ecf
 import pydantic
 import pytest
 
-from .vllm_mirror import ChatCompletionRequest
+from .vllm_mirror import ChatCompletionRequest, FullChatCompletionRequest
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 ABSENT = object()
@@ -87,9 +88,9 @@ def _ours(body: bytes) -> dict[str, Any] | None:
         return None
 
 
-def _mirror(body: bytes) -> dict[str, Any] | None:
+def _mirror(model: type[ChatCompletionRequest], body: bytes) -> dict[str, Any] | None:
     try:
-        return ChatCompletionRequest.model_validate_json(body).to_sampling_params()
+        return model.model_validate_json(body).to_sampling_params()
     except (pydantic.ValidationError, ValueError):
         return None
 
@@ -101,11 +102,13 @@ def _types(d: dict[str, Any]) -> dict[str, type]:
 @pytest.mark.parametrize("fields", CORPUS, ids=[f"req{i}" for i in range(len(CORPUS))])
 def test_sampling_params_match_the_vllm_mirror(fields: dict[str, Any]) -> None:
     body = json.dumps({"model": "m", "messages": MESSAGES, **fields}).encode()
-    ours, mirror = _ours(body), _mirror(body)
-    assert (ours is None) == (mirror is None), (fields, ours, mirror)
-    if ours is not None and mirror is not None:
-        assert ours == mirror
-        assert _types(ours) == _types(mirror)
+    ours = _ours(body)
+    for model in (ChatCompletionRequest, FullChatCompletionRequest):
+        mirror = _mirror(model, body)
+        assert (ours is None) == (mirror is None), (model.__name__, fields, ours, mirror)
+        if ours is not None and mirror is not None:
+            assert ours == mirror, model.__name__
+            assert _types(ours) == _types(mirror), model.__name__
 
 
 def test_corpus_exercises_both_outcomes() -> None:

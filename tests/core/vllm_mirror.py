@@ -11,6 +11,7 @@ Test and benchmark code only: the product parses in Rust.
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -182,3 +183,132 @@ def _verify(p: dict[str, Any]) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolParam(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    json_: Any = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FullChatCompletionRequest(ChatCompletionRequest):
+    """The whole field list of vLLM's ``ChatCompletionRequest`` and its "before"
+    validators (stream options, logprobs, structured outputs, tools, generation
+    prompt, cache salt), written for this benchmark: what vLLM validates per request."""
+
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    min_tokens: int = 0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=LONG_MAX)] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    priority: int = 0
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    logits_processors: list[str | dict[str, Any]] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _logprobs(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        prompt_logprobs = data.get("prompt_logprobs")
+        if isinstance(prompt_logprobs, int) and data.get("stream") and prompt_logprobs != 0:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        top = data.get("top_logprobs")
+        if isinstance(top, int) and top > 0 and not data.get("logprobs"):
+            raise ValueError("when using top_logprobs, logprobs must be set to true")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _structured_outputs(cls, data: Any) -> Any:
+        so = data.get("structured_outputs") if isinstance(data, dict) else None
+        if (
+            isinstance(so, dict)
+            and sum(so.get(k) is not None for k in ("json", "regex", "choice")) > 1
+        ):
+            raise ValueError("only one kind of structured output constraint may be set")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tools(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "tool_choice" not in data and data.get("tools"):
+            data["tool_choice"] = "auto"
+        choice = data.get("tool_choice")
+        if choice not in (None, "none") and not data.get("tools"):
+            raise ValueError("tool_choice needs tools")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _generation_prompt(cls, data: Any) -> Any:
+        if (
+            isinstance(data, dict)
+            and data.get("continue_final_message")
+            and data.get("add_generation_prompt")
+        ):
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cache_salt(cls, data: Any) -> Any:
+        salt = data.get("cache_salt") if isinstance(data, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        return data
