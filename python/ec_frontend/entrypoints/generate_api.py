@@ -16,8 +16,9 @@ import orjson
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.context import DONE, RequestContext, sse
+from ec_frontend.entrypoints.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.openai_format import chat_logprobs, stream_error
-from ec_frontend.entrypoints.serving import Choice, Job, Serving
+from ec_frontend.entrypoints.serving import Serving
 
 
 def _choice(
@@ -51,7 +52,7 @@ def generate_body(
                 )
             ],
             "prompt_logprobs": None,
-            "usage": serving.usage([choice]),
+            "usage": usage([choice]),
             "kv_transfer_params": choice.kv_transfer_params,
             "ec_transfer_params": choice.ec_transfer_params,
         }
@@ -79,7 +80,7 @@ async def generate_stream(
             chunk["kv_transfer_params"] = c.kv_transfer_params
             chunk["ec_transfer_params"] = c.ec_transfer_params
             if parsed.include_usage:
-                chunk["usage"] = serving.usage([c])
+                chunk["usage"] = usage([c])
         else:
             choice["finish_reason"] = None
             choice["stop_reason"] = None

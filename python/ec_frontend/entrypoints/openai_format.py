@@ -16,7 +16,8 @@ import orjson
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.context import DONE, RequestContext, sse, token_text
 from ec_frontend.entrypoints.errors import error_body
-from ec_frontend.entrypoints.serving import Choice, Job, Serving, first_param
+from ec_frontend.entrypoints.jobs import Choice, Job, first_param, usage
+from ec_frontend.entrypoints.serving import Serving
 
 
 def _chat_logprob_entry(tokenizer: Any, lp: Any) -> dict[str, Any]:
@@ -189,7 +190,7 @@ async def chat_stream(
         else:
             yield chunk(choice)
     if usage_on:
-        yield sse({**base, "choices": [], "usage": serving.usage(list(seen.values()))})
+        yield sse({**base, "choices": [], "usage": usage(list(seen.values()))})
     yield DONE
 
 
@@ -256,5 +257,5 @@ async def completion_stream(
         else:
             yield chunk(choice)
     if usage_on:
-        yield sse({**base, "choices": [], "usage": serving.usage(list(seen.values()))})
+        yield sse({**base, "choices": [], "usage": usage(list(seen.values()))})
     yield DONE

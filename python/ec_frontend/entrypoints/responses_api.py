@@ -19,11 +19,12 @@ import orjson
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.context import DONE, RequestContext, sse_event
 from ec_frontend.entrypoints.errors import error_body
-from ec_frontend.entrypoints.serving import Choice, Job, Serving
+from ec_frontend.entrypoints.jobs import Choice, Job, usage
+from ec_frontend.entrypoints.serving import Serving
 
 
-def _usage(serving: Serving, choice: Choice) -> dict[str, Any]:
-    u = serving.usage([choice])
+def _usage(choice: Choice) -> dict[str, Any]:
+    u = usage([choice])
     return {
         "input_tokens": u["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
@@ -100,7 +101,7 @@ def response_body(
             resp_id,
             status="completed",
             output=[msg],
-            usage=_usage(serving, choice),
+            usage=_usage(choice),
             choice=choice,
         )
     )
@@ -153,7 +154,7 @@ async def response_stream(
         resp_id,
         status="completed",
         output=[item],
-        usage=_usage(serving, final),
+        usage=_usage(final),
         choice=final,
     )
     kind = "response.completed" if done["status"] == "completed" else "response.incomplete"

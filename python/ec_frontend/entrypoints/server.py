@@ -28,6 +28,7 @@ from ec_frontend.entrypoints.context import DONE, RequestContext
 from ec_frontend.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from ec_frontend.entrypoints.generate_api import generate_body, generate_stream
 from ec_frontend.entrypoints.http_middleware import FrontMiddleware, FrontState
+from ec_frontend.entrypoints.jobs import Choice, usage
 from ec_frontend.entrypoints.openai_format import (
     chat_body,
     chat_stream,
@@ -35,7 +36,7 @@ from ec_frontend.entrypoints.openai_format import (
     completion_stream,
 )
 from ec_frontend.entrypoints.responses_api import response_body, response_stream
-from ec_frontend.entrypoints.serving import Choice, Serving, ServingConfig
+from ec_frontend.entrypoints.serving import Serving, ServingConfig
 from ec_frontend.metrics import ServerMetrics, render
 
 T = TypeVar("T")
@@ -214,7 +215,7 @@ class App:
             return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids))
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
-        return self.json(chat_body(ctx, choices, self.serving.usage(choices), ids))
+        return self.json(chat_body(ctx, choices, usage(choices), ids))
 
     async def completions(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "completions")
@@ -224,8 +225,8 @@ class App:
             return self.sse(completion_stream(self.serving, ctx, parsed, jobs, ids))
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
-        usage = self.serving.usage(choices)
-        return self.json(completion_body(ctx, choices, usage, ids, parsed.echo))
+        totals = usage(choices)
+        return self.json(completion_body(ctx, choices, totals, ids, parsed.echo))
 
     async def responses(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "responses")

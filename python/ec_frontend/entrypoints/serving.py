@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.errors import APIError
+from ec_frontend.entrypoints.jobs import Choice, Job, Timing, new_id
 from ec_frontend.entrypoints.sampling import build_sampling_params
 from ec_frontend.metrics import ServerMetrics
 
@@ -41,81 +41,6 @@ class ServingConfig:
     #: Run input processing (tokenizer, image processor) in a worker thread.
     offload_processing: bool = True
     vocab_size: int | None = None
-
-
-@dataclass(slots=True)
-class Job:
-    """One engine request: choice ``index`` of prompt ``prompt_index``."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    inputs: Any
-    params: Any
-    prompt_text: str | None = None
-    started: bool = False
-
-
-@dataclass(slots=True)
-class Choice:
-    """The accumulated output of one engine request."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt_text: str | None = None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
-
-    def add(self, out: Any) -> None:
-        """Merge one engine delta; a later ``None`` never erases a param."""
-        if out.token_ids:
-            self.token_ids += out.token_ids
-        if out.text:
-            self.text += out.text
-        if out.logprobs:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs += out.logprobs
-        if out.num_cached_tokens:
-            self.num_cached_tokens = out.num_cached_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.stop_reason = out.stop_reason
-            if out.error:
-                self.error = out.error
-        if out.kv_transfer_params is not None:
-            self.kv_transfer_params = out.kv_transfer_params
-        if out.ec_transfer_params is not None:
-            self.ec_transfer_params = out.ec_transfer_params
-
-
-@dataclass(slots=True)
-class _Timing:
-    started: float
-    last: float = 0.0
-    finished: bool = False
-
-
-def first_param(choices: list[Choice], name: str) -> dict[str, Any] | None:
-    """The first non-``None`` transfer param among ``choices`` (index order)."""
-    for c in choices:
-        value = getattr(c, name)
-        if value is not None:
-            return value
-    return None
-
-
-def new_id() -> str:
-    return uuid.uuid4().hex
 
 
 class Serving:
@@ -282,7 +207,7 @@ class Serving:
         job.started = True
         return self.engine.add_request(job.request_id, job.inputs, job.params)
 
-    def _observe(self, timing: _Timing, out: Any) -> bool:
+    def _observe(self, timing: Timing, out: Any) -> bool:
         """Record latency metrics for one delta; True when it finishes the request."""
         tokens = out.token_ids
         if tokens:
@@ -303,7 +228,7 @@ class Serving:
             return True
         return False
 
-    def _end(self, job: Job, agen: Any, timing: _Timing) -> None:
+    def _end(self, job: Job, agen: Any, timing: Timing) -> None:
         """After a job's loop: forget its id, or abort it unless it finished (never awaits).
 
         An aborted id stays reserved for ``_ABORTED_ID_HOLD_S`` so that a new request
@@ -317,7 +242,7 @@ class Serving:
 
     async def _run(self, job: Job, choice: Choice, started: float) -> None:
         agen = self._start(job)
-        timing = _Timing(started)
+        timing = Timing(started)
         try:
             async for out in agen:
                 choice.add(out)
@@ -358,7 +283,7 @@ class Serving:
         if len(jobs) == 1:
             job, choice = jobs[0], choices[0]
             agen = self._start(job)
-            timing = _Timing(started)
+            timing = Timing(started)
             try:
                 async for out in agen:
                     choice.add(out)
@@ -375,7 +300,7 @@ class Serving:
         async def pump(k: int) -> None:
             job = jobs[k]
             agen = self._start(job)
-            timing = _Timing(started)
+            timing = Timing(started)
             try:
                 async for out in agen:
                     queue.put_nowait((k, out))
@@ -414,18 +339,3 @@ class Serving:
             list(job.inputs.prompt_token_ids),
             job.prompt_text,
         )
-
-    def usage(self, choices: list[Choice]) -> dict[str, Any]:
-        """OpenAI usage: each distinct prompt counted once."""
-        seen: dict[int, Choice] = {}
-        for c in choices:
-            seen.setdefault(c.prompt_index, c)
-        prompt = sum(len(c.prompt_token_ids) for c in seen.values())
-        cached = sum(c.num_cached_tokens for c in seen.values())
-        completion = sum(len(c.token_ids) for c in choices)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
