@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,19 +49,16 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = program or [sys.executable, "-m", "ec_frontend.entrypoints.cli"]
         cmd = [*cmd, "serve", "--port", str(self.port), "--log-level", "warning", *args]
-        self.log = io.BytesIO()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env
-        )
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                out = self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{out}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return
@@ -69,6 +67,11 @@ class ServerProcess:
             time.sleep(0.1)
         self.proc.kill()
         raise RuntimeError("server did not become healthy in time")
+
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def metrics(self) -> dict[str, float]:
         from ec_frontend.metrics import parse_text
@@ -84,8 +87,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        self.log.close()
         return self.proc.returncode
 
 
