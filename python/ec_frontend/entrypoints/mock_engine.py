@@ -229,10 +229,13 @@ class MockEngine:
         kv = extra.get("kv_transfer_params")
         ec = extra.get("ec_transfer_params")
         fail_after = extra.get("mock_fail_after")
+        wait = self.config.token_latency_s > 0
+        if not (stops or stop_ids or n_logprobs is not None or wait or fail_after is not None):
+            yield from self._plain(request_id, prompt, plen, max_tokens, rng, kv, ec)
+            return
         text = ""
         sent = 0
         hold = max((len(s) for s in stops), default=1) - 1
-        wait = self.config.token_latency_s > 0
         for i in range(max_tokens):
             if wait:
                 yield None
@@ -275,4 +278,33 @@ class MockEngine:
                 yield out
                 return
             yield out
+        yield RequestOutput(request_id, prompt, [], "", True, "length", None, None, 0, kv, ec)
+
+    def _plain(
+        self,
+        request_id: str,
+        prompt: list[int],
+        plen: int,
+        max_tokens: int,
+        rng: random.Random | None,
+        kv: dict[str, Any] | None,
+        ec: dict[str, Any] | None,
+    ) -> Iterator[RequestOutput]:
+        """The token loop without stops, logprobs or delays (the benchmark's case)."""
+        running = self._running
+        stats = self._stats
+        n = len(prompt)
+        for i in range(max_tokens):
+            if request_id in self._aborted:
+                yield RequestOutput(request_id, prompt, [], "", True, "abort")
+                return
+            tok = rng.choice(prompt) if rng is not None else prompt[i % n]
+            stats.generation_tokens_total += 1
+            running[request_id] = (plen + i + BLOCK_SIZE) // BLOCK_SIZE
+            if i == max_tokens - 1:
+                yield RequestOutput(
+                    request_id, prompt, [tok], chr(tok), True, "length", None, None, 0, kv, ec
+                )
+                return
+            yield RequestOutput(request_id, prompt, [tok], chr(tok))
         yield RequestOutput(request_id, prompt, [], "", True, "length", None, None, 0, kv, ec)

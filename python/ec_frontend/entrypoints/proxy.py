@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -218,6 +219,7 @@ class Proxy:
         parts = media_parts(body)
         if not parts or not self.config.encode_urls:
             return {}, False
+        started = time.perf_counter()
         rid = headers["x-request-id"]
         results = await asyncio.gather(
             *(
@@ -228,6 +230,7 @@ class Proxy:
         merged: dict[str, Any] = {}
         for params in results:
             merged.update(params or {})
+        self.metrics.encode_seconds.observe(time.perf_counter() - started)
         fell_back = any(p is None for p in results)
         if fell_back:
             self.metrics.encoder_fallbacks.inc()
@@ -276,7 +279,9 @@ class Proxy:
         if self.config.prefill_urls:
             first = prefill_body(endpoint, decode_body)
             url = self._pick("prefill", self.config.prefill_urls)
+            started = time.perf_counter()
             data = await self._post_json(url + path, first, headers, self.config.timeout_s)
+            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
             kv = data.get("kv_transfer_params")
             if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
                 raise UpstreamError(
@@ -292,10 +297,12 @@ class Proxy:
         self, url: str, body: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str]
     ) -> Response:
         req = self.client.build_request("POST", url, content=orjson.dumps(body), headers=headers)
+        started = time.perf_counter()
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as exc:
             raise _unreachable(url, exc, "upstream_unreachable") from None
+        self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - started)
         media_type = resp.headers.get("content-type", "application/json")
         if resp.status_code != 200 or not media_type.startswith("text/event-stream"):
             try:

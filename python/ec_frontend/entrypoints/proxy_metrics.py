@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ec_frontend.metrics import PREFIX, Counter
+from ec_frontend.metrics import PREFIX, Counter, Histogram
 
 
 class ProxyMetrics:
@@ -32,14 +32,29 @@ class ProxyMetrics:
             "Requests whose prompt a prefill instance computed for a decode instance.",
         )
 
+        self.encode_seconds = Histogram(
+            PREFIX + "proxy_encode_seconds",
+            "Time from a request's arrival until all its media items were encoded.",
+        )
+        self.prefill_seconds = Histogram(
+            PREFIX + "proxy_prefill_seconds", "Time of the prefill stage of a request."
+        )
+        self.decode_first_byte_seconds = Histogram(
+            PREFIX + "proxy_decode_first_byte_seconds",
+            "Time from sending a request to decode until its response headers arrived.",
+        )
+
     def render(self) -> bytes:
         lines: list[str] = []
-        for counter in (
+        for metric in (
             self.requests,
             self.encoder_requests,
             self.encoder_retries,
             self.encoder_fallbacks,
             self.prefills,
+            self.encode_seconds,
+            self.prefill_seconds,
+            self.decode_first_byte_seconds,
         ):
-            lines.extend(counter.render())
+            lines.extend(metric.render())
         return ("\n".join(lines) + "\n").encode()

@@ -336,6 +336,6 @@ class Serving:
             job.index,
             job.prompt_index,
             job.request_id,
-            list(job.inputs.prompt_token_ids),
+            job.inputs.prompt_token_ids,
             job.prompt_text,
         )
