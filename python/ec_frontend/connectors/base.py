@@ -85,6 +85,16 @@ class ECConnectorBase(ABC):
         ``ec_transfer_params`` point. An invalid hash is simply absent.
         """
 
+    def is_request_ready(self, request: Request) -> bool:
+        """Whether the scheduler may plan ``request`` now (default: always).
+
+        A connector that fetches items in the background starts the request's
+        fetches here and returns False until each has completed or failed; the
+        scheduler keeps the request aside and schedules others meanwhile. Once
+        True for a request, it stays True.
+        """
+        return True
+
     @abstractmethod
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """The scheduler reserved cache space for item ``index``: load it this step."""

@@ -72,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._remote_kv: dict[str, tuple[Request, int]] = {}
+        self._ec_fetching: list[Request] = []
         self._kv_delayed: dict[str, Request] = {}
         self._ec_delayed: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
@@ -109,6 +110,8 @@ class Scheduler:
             elif request in self.waiting:
                 self.waiting.remove(request)
             self._remote_kv.pop(rid, None)
+            if request in self._ec_fetching:
+                self._ec_fetching.remove(request)
             request.status = status
             request.stop_reason = stop_reason
             request.error = error
@@ -236,8 +239,13 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], token_budget: int, encoder_budget: int
     ) -> None:
         cfg = self.config
+        self._readmit_ec_fetched()
         while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
+            if self._ec_still_fetching(request):
+                self.waiting.popleft()
+                self._ec_fetching.append(request)
+                continue
             num_external = 0
             load_async = False
             if self.kv_connector is not None and request.num_computed_tokens == 0:
@@ -455,8 +463,30 @@ class Scheduler:
 
     # ---- introspection ------------------------------------------------------
 
+    def _ec_still_fetching(self, request: Request) -> bool:
+        """The EC connector is still fetching the request's items in the background:
+        it waits aside (not at the head of the queue) while others run."""
+        ec = self.ec_connector
+        return (
+            ec is not None and request.num_computed_tokens == 0 and not ec.is_request_ready(request)
+        )
+
+    def _readmit_ec_fetched(self) -> None:
+        if not self._ec_fetching or self.ec_connector is None:
+            return
+        ready = [r for r in self._ec_fetching if self.ec_connector.is_request_ready(r)]
+        for request in reversed(ready):
+            self._ec_fetching.remove(request)
+            self.waiting.appendleft(request)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._remote_kv or self._pending_outputs)
+        return bool(
+            self.waiting
+            or self.running
+            or self._remote_kv
+            or self._ec_fetching
+            or self._pending_outputs
+        )
 
     def has_pending_work(self) -> bool:
         """Anything a step would do, including freeing delayed requests."""
@@ -470,4 +500,4 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._remote_kv)
+        return len(self.waiting) + len(self._remote_kv) + len(self._ec_fetching)
