@@ -44,7 +44,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.002
-
 
 @dataclass(frozen=True, slots=True)
 class Peer:
@@ -91,10 +90,9 @@ class Peer:
 
 @dataclass(slots=True)
 class ECSideChannelMetadata(ECConnectorMetadata):
-    """The step's loads, each with its peer; ``idle`` when the step scheduled nothing."""
+    """The step's loads, each with its peer."""
 
     peers: dict[str, Peer] = field(default_factory=dict)
-    idle: bool = False
 
 
 @dataclass(slots=True)
@@ -115,7 +113,6 @@ class _Store:
         self.pulled = 0
         self.encoder_cache: dict[str, torch.Tensor] | None = None
         self.waiting: dict[str, set[str]] = {}
-        self.changed = threading.Event()
         self.server = SideChannelServer(
             settings.host, settings.port, self._handle, timeout_s=settings.timeout_s
         )
@@ -142,7 +139,6 @@ class _Store:
         item = self.items.pop(mm_hash, None)
         if item is not None:
             self.nbytes -= item.nbytes
-            self.changed.set()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -154,13 +150,10 @@ class _Store:
         with self.lock:
             self.waiting[request_id] = hashes
 
-    def take_done(self, idle: bool) -> set[str]:
+    def take_done(self) -> set[str]:
         """Requests none of whose items is still in the store; forgets them."""
         if not self.waiting:
             return set()
-        if idle:
-            self.changed.wait(_IDLE_WAIT_S)
-        self.changed.clear()
         with self.lock:
             self._expire()
             done = {r for r, hs in self.waiting.items() if not any(h in self.items for h in hs)}
@@ -199,8 +192,47 @@ class _Store:
         return {"ok": True, **header}, payload, on_sent
 
 
-#: One store per engine (keyed by its transfer config object, which both halves share).
+class _Staging:
+    """The consumer's background pulls, by ``mm_hash``, with the requests waiting on each.
+
+    Shared by the two halves: the scheduler half starts pulls (``attach``), the
+    worker half takes finished ones into the encoder cache (``take``).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fetches: dict[str, tuple[Future[torch.Tensor | None], set[str]]] = {}
+
+    def attach(
+        self, mm_hash: str, request_id: str, start: Callable[[], Future[torch.Tensor | None]]
+    ) -> Future[torch.Tensor | None]:
+        with self.lock:
+            entry = self.fetches.get(mm_hash)
+            if entry is None:
+                entry = (start(), set())
+                self.fetches[mm_hash] = entry
+            entry[1].add(request_id)
+            return entry[0]
+
+    def take(self, mm_hash: str) -> Future[torch.Tensor | None] | None:
+        with self.lock:
+            entry = self.fetches.pop(mm_hash, None)
+        return entry[0] if entry is not None else None
+
+    def detach(self, request_id: str, hashes: set[str]) -> None:
+        with self.lock:
+            for mm_hash in hashes:
+                entry = self.fetches.get(mm_hash)
+                if entry is not None:
+                    entry[1].discard(request_id)
+                    if not entry[1]:
+                        del self.fetches[mm_hash]
+
+
+#: One store and one staging area per engine (keyed by its transfer config
+#: object, which both halves share).
 _STORES: dict[int, tuple[ECTransferConfig, _Store]] = {}
+_STAGINGS: dict[int, tuple[ECTransferConfig, _Staging]] = {}
 _STORES_LOCK = threading.Lock()
 
 
@@ -236,6 +268,15 @@ def _store_for(config: ECTransferConfig, settings: Settings) -> _Store:
         return entry[1]
 
 
+def _staging_for(config: ECTransferConfig) -> _Staging:
+    with _STORES_LOCK:
+        entry = _STAGINGS.get(id(config))
+        if entry is None or entry[0] is not config:
+            entry = (config, _Staging())
+            _STAGINGS[id(config)] = entry
+        return entry[1]
+
+
 def parse_peer(entry: Any, settings: Settings) -> Peer | None:
     """The peer named by one ``ec_transfer_params`` entry, or ``None`` when it names none
     usable (missing or mistyped keys, a size over ``max_item_bytes``)."""
@@ -268,6 +309,8 @@ class ECSideChannelConnector(ECConnectorBase):
         self._pending: list[ECLoadSpec] = []
         self._peers: dict[str, Peer] = {}
         self._loading: dict[str, set[str]] = {}
+        self._prefetched: dict[str, set[str]] = {}
+        self.staging = _staging_for(config) if self.is_consumer else None
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- scheduler side -------------------------------------------------
@@ -283,6 +326,27 @@ class ECSideChannelConnector(ECConnectorBase):
     def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
         return self._peer(mm_hash, request) is not None
 
+    def is_request_ready(self, request: Request) -> bool:
+        """Starts pulling every item the request's params name (in the background) and
+        says whether all of those pulls have ended; the batch runs meanwhile."""
+        staging = self.staging
+        if staging is None or not request.ec_transfer_params:
+            return True
+        rid = request.request_id
+        fetched = self._prefetched.setdefault(rid, set())
+        ready = True
+        for feature in request.mm_features:
+            peer = self._peer(feature.mm_hash, request)
+            if peer is None:
+                continue
+            spec = ECLoadSpec(feature.mm_hash, feature.length, rid)
+            future = staging.attach(
+                spec.mm_hash, rid, lambda s=spec, p=peer: self._executor().submit(self._pull, s, p)
+            )
+            fetched.add(spec.mm_hash)
+            ready = ready and future.done()
+        return ready
+
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         peer = self._peer(feature.mm_hash, request)
@@ -293,9 +357,7 @@ class ECSideChannelConnector(ECConnectorBase):
         self._loading.setdefault(request.request_id, set()).add(feature.mm_hash)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        meta = ECSideChannelMetadata(
-            loads=self._pending, peers=self._peers, idle=scheduler_output.is_empty
-        )
+        meta = ECSideChannelMetadata(loads=self._pending, peers=self._peers)
         self._pending, self._peers = [], {}
         return meta
 
@@ -334,8 +396,12 @@ class ECSideChannelConnector(ECConnectorBase):
         """Tell producers to free the items this request was offered but did not pull
         (it found them cached here), instead of letting them wait for their TTL."""
         loaded = self._loading.pop(request.request_id, set())
+        fetched = self._prefetched.pop(request.request_id, set())
+        if self.staging is not None and fetched:
+            self.staging.detach(request.request_id, fetched)
         for mm_hash in request.ec_transfer_params or {}:
-            peer = None if mm_hash in loaded else self._peer(mm_hash, request)
+            skip = mm_hash in loaded or mm_hash in fetched
+            peer = None if skip else self._peer(mm_hash, request)
             if peer is not None:
                 self._executor().submit(self._release, mm_hash, peer)
 
@@ -365,7 +431,10 @@ class ECSideChannelConnector(ECConnectorBase):
             return
         pool = self._executor()
         unique = {s.mm_hash: s for s in specs}
-        futures = {h: pool.submit(self._pull, spec, peers.get(h)) for h, spec in unique.items()}
+        futures: dict[str, Future[torch.Tensor | None]] = {}
+        for mm_hash, spec in unique.items():
+            staged = self.staging.take(mm_hash) if self.staging is not None else None
+            futures[mm_hash] = staged or pool.submit(self._pull, spec, peers.get(mm_hash))
         for mm_hash, future in futures.items():
             tensor = future.result()
             if tensor is None:
@@ -412,16 +481,11 @@ class ECSideChannelConnector(ECConnectorBase):
         self.stats.items_saved += 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose items all left the store (pulled or expired) are done sending.
-
-        On an idle step with requests still waiting, it pauses a couple of
-        milliseconds (or until an item leaves the store) instead of spinning.
-        """
+        """Requests whose items all left the store (pulled or expired) are done sending."""
         store = self.store
         if store is None:
             return None, None
-        idle = self._metadata is not None and getattr(self._metadata, "idle", False)
-        done = store.take_done(idle)
+        done = store.take_done()
         return (done or None), None
 
     def num_items_held(self) -> int:

@@ -63,7 +63,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.002
 _HOST_ENV = ("KV_SIDE_CHANNEL_HOST", "VLLM_KV_SIDE_CHANNEL_HOST")
 _PORT_ENV = ("KV_SIDE_CHANNEL_PORT", "VLLM_KV_SIDE_CHANNEL_PORT")
 
@@ -98,7 +97,6 @@ class _Load:
 @dataclass(slots=True)
 class KVSideChannelMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
-    idle: bool = False
 
 
 @dataclass(slots=True)
@@ -144,7 +142,6 @@ class _State:
         self.settings = settings
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self.lock = threading.Lock()
-        self.changed = threading.Event()
         self.kv_caches: list[torch.Tensor] | None = None
         self.holds: dict[str, _Hold] = {}
         self.sent: set[str] = set()
@@ -193,7 +190,6 @@ class _State:
                 if self.holds.pop(rid, None) is not None:
                     self.sent.add(rid)
                     self.tokens_sent += hold.num_tokens
-            self.changed.set()
 
         return {"ok": True, "num_tokens": hold.num_tokens, **header}, payload, on_sent
 
@@ -276,7 +272,7 @@ class KVSideChannelConnector(KVConnectorBase):
         self._loads.append(_Load(request.request_id, list(block_ids), remote))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVSideChannelMetadata(loads=self._loads, idle=scheduler_output.is_empty)
+        meta = KVSideChannelMetadata(loads=self._loads)
         self._loads = []
         return meta
 
@@ -347,20 +343,17 @@ class KVSideChannelConnector(KVConnectorBase):
         nbytes = first.element_size()
         for d in expected:
             nbytes *= d
-        try:
-            header, data = request_tensor(
-                remote.host,
-                remote.port,
-                {
-                    "op": "get_kv",
-                    "remote_request_id": remote.request_id,
-                    "remote_engine_id": remote.engine_id,
-                },
-                timeout_s=self.state.settings.timeout_s,
-                max_bytes=min(nbytes, self.state.settings.max_item_bytes),
-            )
-        finally:
-            self.state.changed.set()
+        header, data = request_tensor(
+            remote.host,
+            remote.port,
+            {
+                "op": "get_kv",
+                "remote_request_id": remote.request_id,
+                "remote_engine_id": remote.engine_id,
+            },
+            timeout_s=self.state.settings.timeout_s,
+            max_bytes=min(nbytes, self.state.settings.max_item_bytes),
+        )
         if list(data.shape) != expected or header.get("num_tokens") != remote.num_tokens:
             raise WireError(f"KV of shape {list(data.shape)} does not fit {expected}")
         return data
@@ -368,14 +361,9 @@ class KVSideChannelConnector(KVConnectorBase):
     def wait_for_load(self) -> None:
         """Copies the pulls that have landed into the cache (on the engine thread).
 
-        Loads are asynchronous: requests still pulling stay parked. On an idle
-        step with pulls or holds pending it waits a couple of milliseconds.
+        Loads are asynchronous: requests still pulling stay parked.
         """
         state = self.state
-        meta = self._metadata
-        if getattr(meta, "idle", False) and (state.inflight or state.holds):
-            state.changed.wait(_IDLE_WAIT_S)
-        state.changed.clear()
         caches = state.kv_caches
         with state.lock:
             done = [(rid, f, ld) for rid, (f, ld) in state.inflight.items() if f.done()]
