@@ -167,6 +167,27 @@ def test_side_channel_peer_gone_falls_back_within_the_timeout(
         assert elapsed >= PULL_TIMEOUT_S
 
 
+def test_a_request_waiting_for_its_items_does_not_stall_the_batch(dep: dict[str, Any]) -> None:
+    pd = dep["pd"]
+    image = fresh_image()
+    params = encoder_params(dep["e2"], image)
+    silent = SilentPeer()
+    params = {h: {**v, "peer_port": silent.port} for h, v in params.items()}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            waiting = pool.submit(chat, pd.url, messages("slow", image), ec_transfer_params=params)
+            time.sleep(0.3)
+            quick = chat(pd.url, messages("meanwhile"), max_tokens=8)
+            quick_done = time.monotonic() - started
+            slow = waiting.result()
+            slow_done = time.monotonic() - started
+    finally:
+        silent.close()
+    assert quick.status_code == 200 and slow.status_code == 200
+    assert quick_done < PULL_TIMEOUT_S <= slow_done
+
+
 @pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\xff" * 64])
 def test_corrupt_shared_storage_file_falls_back(dep: dict[str, Any], content: bytes) -> None:
     pd_ss, shared = dep["pd_ss"], dep["shared"]
