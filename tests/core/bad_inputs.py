@@ -125,7 +125,7 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
         "huge-integer-5000-digits",
         "chat",
         _chat()[:-1] + b', "vllm_xargs": {"a": ' + b"9" * 5000 + b"}}",
-        "invalid_json",
+        "limit_exceeded",
         None,
     ),
     # Valid JSON, wrong shape.

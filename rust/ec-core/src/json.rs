@@ -1,46 +1,23 @@
 //! Body bytes -> [`Value`], with every failure mapped to a typed [`RequestError`].
 //!
-//! serde_json does the tokenizing; a seeded visitor builds the borrowed tree and
-//! enforces the depth and string-size limits while it goes, so a 10,000-deep body is
-//! refused after [`Limits::effective_depth`] levels without deep recursion.
+//! A small recursive-descent parser over the UTF-8-checked text. It borrows every
+//! string without escapes (and every number's digits) from the body, keeps integers
+//! beyond 64 bits exact, enforces the depth limit before it descends (a 10,000-deep
+//! body stops at [`Limits::effective_depth`], far from any stack limit) and the string
+//! limit as it goes, and names `NaN` / `Infinity` when it meets them.
 //!
-//! Integers beyond 64 bits: serde_json hands them over as (rounded) floats. The visitor
-//! notes when a float could be such an integer, and only then a second scan of the
-//! text restores the exact digits of every integer literal that overflowed. Integers
-//! beyond the float range (over 308 digits) are refused as out of range.
+//! It replaces `serde_json` here for speed and exactness: building serde_json's tree
+//! took about twice as long, and serde_json either rounds integers beyond 64 bits to
+//! floats or (with `arbitrary_precision`) allocates a string for every number.
 
 use std::borrow::Cow;
-use std::cell::{Cell, RefCell};
-use std::fmt;
-
-use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
 use crate::error::{RequestError, Result};
 use crate::limits::Limits;
 use crate::value::{Number, Value};
 
-/// Parse state shared by the visitors of one body.
-struct Ctx<'de> {
-    max_depth: usize,
-    max_string_bytes: usize,
-    error: RefCell<Option<RequestError>>,
-    /// A float was seen that may be a rounded integer literal beyond 64 bits.
-    maybe_big_integer: Cell<bool>,
-    /// Elements and members of the containers being parsed, as one stack: each
-    /// container moves its own tail into an exactly sized `Vec` when it closes.
-    items: RefCell<Vec<Value<'de>>>,
-    members: RefCell<Vec<(Cow<'de, str>, Value<'de>)>>,
-}
-
-impl Ctx<'_> {
-    fn fail<E: de::Error>(&self, err: RequestError) -> E {
-        self.error.borrow_mut().get_or_insert(err);
-        E::custom("rejected")
-    }
-}
-
 /// Parses a whole body. The result borrows escape-free strings from `body`.
-pub fn parse_body<'de>(body: &'de [u8], limits: &Limits) -> Result<Value<'de>> {
+pub fn parse_body<'a>(body: &'a [u8], limits: &Limits) -> Result<Value<'a>> {
     if body.len() > limits.max_body_bytes {
         return Err(RequestError::LimitExceeded {
             param: None,
@@ -58,309 +35,426 @@ pub fn parse_body<'de>(body: &'de [u8], limits: &Limits) -> Result<Value<'de>> {
 }
 
 /// Parses a JSON text (already known to be UTF-8).
-pub fn parse_str<'de>(text: &'de str, limits: &Limits) -> Result<Value<'de>> {
-    if text.trim_ascii().is_empty() {
+pub fn parse_str<'a>(text: &'a str, limits: &Limits) -> Result<Value<'a>> {
+    let mut p = Parser {
+        text,
+        bytes: text.as_bytes(),
+        pos: 0,
+        max_depth: limits.effective_depth(),
+        max_string_bytes: limits.max_string_bytes,
+        items: Vec::with_capacity(64),
+        members: Vec::with_capacity(64),
+    };
+    p.skip_ws();
+    if p.pos == p.bytes.len() {
         return Err(RequestError::InvalidJson {
             message: "request body is empty: expected a JSON object".into(),
         });
     }
-    let ctx = Ctx {
-        max_depth: limits.effective_depth(),
-        max_string_bytes: limits.max_string_bytes,
-        error: RefCell::new(None),
-        maybe_big_integer: Cell::new(false),
-        items: RefCell::new(Vec::with_capacity(64)),
-        members: RefCell::new(Vec::with_capacity(64)),
-    };
-    let mut de = serde_json::Deserializer::from_str(text);
-    let parsed = ValueSeed {
-        ctx: &ctx,
-        depth: 0,
-    }
-    .deserialize(&mut de)
-    .and_then(|v| de.end().map(|()| v));
-    let mut value = parsed.map_err(|err| match ctx.error.take() {
-        Some(typed) => typed,
-        None => map_serde_error(text, &err),
-    })?;
-    if ctx.maybe_big_integer.get() {
-        restore_big_integers(text, &mut value)?;
+    let value = p.value(0).map_err(|e| *e)?;
+    p.skip_ws();
+    if p.pos != p.bytes.len() {
+        return Err(*p.syntax("trailing characters after the JSON value"));
     }
     Ok(value)
 }
 
-/// Replaces every float that came from an integer literal (no `.`, `e` or `E`) with the
-/// literal's exact digits. Number literals are met in the same order as the tree holds
-/// the values, so one scan of the text pairs them up.
-fn restore_big_integers<'de>(text: &'de str, value: &mut Value<'de>) -> Result<()> {
-    let mut literals = NumberLiterals {
-        text: text.as_bytes(),
-        pos: 0,
-    };
-    restore_in(value, &mut literals, text)
-}
-
-fn restore_in<'de>(
-    value: &mut Value<'de>,
-    literals: &mut NumberLiterals<'_>,
-    text: &'de str,
-) -> Result<()> {
-    match value {
-        Value::Number(n) => {
-            let Some((start, end)) = literals.next() else {
-                return Ok(());
-            };
-            let literal = &text[start..end];
-            if matches!(n, Number::Float(_)) && !literal.contains(['.', 'e', 'E']) {
-                *value = Value::BigInt(Cow::Borrowed(literal));
-            }
-            Ok(())
-        }
-        Value::Array(items) => items
-            .iter_mut()
-            .try_for_each(|v| restore_in(v, literals, text)),
-        Value::Object(members) => members
-            .iter_mut()
-            .try_for_each(|(_, v)| restore_in(v, literals, text)),
-        _ => Ok(()),
-    }
-}
-
-/// The byte ranges of number literals of a valid JSON text, in order (strings skipped).
-struct NumberLiterals<'t> {
-    text: &'t [u8],
+struct Parser<'a> {
+    text: &'a str,
+    bytes: &'a [u8],
     pos: usize,
+    max_depth: usize,
+    max_string_bytes: usize,
+    /// Elements and members of the containers being parsed, as one stack each: a
+    /// container moves its own tail into an exactly sized `Vec` when it closes.
+    items: Vec<Value<'a>>,
+    members: Vec<(Cow<'a, str>, Value<'a>)>,
 }
 
-impl Iterator for NumberLiterals<'_> {
-    type Item = (usize, usize);
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGHS: u64 = 0x8080_8080_8080_8080;
 
-    fn next(&mut self) -> Option<(usize, usize)> {
-        let t = self.text;
-        while self.pos < t.len() {
-            match t[self.pos] {
-                b'"' => {
-                    self.pos += 1;
-                    while self.pos < t.len() && t[self.pos] != b'"' {
-                        self.pos += if t[self.pos] == b'\\' { 2 } else { 1 };
-                    }
-                    self.pos += 1;
-                }
-                b'-' | b'0'..=b'9' => {
-                    let start = self.pos;
-                    while self.pos < t.len()
-                        && matches!(t[self.pos], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
-                    {
-                        self.pos += 1;
-                    }
-                    return Some((start, self.pos));
-                }
-                _ => self.pos += 1,
+/// True when some byte of `w` is zero.
+#[inline]
+fn has_zero_byte(w: u64) -> bool {
+    w.wrapping_sub(ONES) & !w & HIGHS != 0
+}
+
+impl<'a> Parser<'a> {
+    fn line_column(&self) -> (usize, usize) {
+        let upto = &self.bytes[..self.pos.min(self.bytes.len())];
+        let line = upto.iter().filter(|&&b| b == b'\n').count() + 1;
+        let column = upto.len() - upto.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
+        (line, column)
+    }
+
+    fn syntax(&self, what: &str) -> Box<RequestError> {
+        let (line, column) = self.line_column();
+        let message = if self.pos >= self.bytes.len() {
+            format!("invalid JSON: unexpected end of input (truncated body?) at line {line} column {column}")
+        } else {
+            format!("invalid JSON: {what} at line {line} column {column}")
+        };
+        Box::new(RequestError::InvalidJson { message })
+    }
+
+    #[inline]
+    fn skip_ws(&mut self) {
+        while let Some(&b) = self.bytes.get(self.pos) {
+            if !matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                break;
             }
+            self.pos += 1;
         }
-        None
     }
-}
 
-fn map_serde_error(text: &str, err: &serde_json::Error) -> RequestError {
-    let msg = err.to_string();
-    if msg.starts_with("recursion limit exceeded") {
-        return depth_error(crate::limits::DEPTH_CEILING);
+    #[inline]
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.pos).copied()
     }
-    if err.is_eof() {
-        return RequestError::InvalidJson {
-            message: format!("invalid JSON: unexpected end of input (truncated body?): {msg}"),
-        };
+
+    fn value(&mut self, depth: usize) -> PResult<Value<'a>> {
+        match self.peek() {
+            Some(b'{') => self.object(depth + 1),
+            Some(b'[') => self.array(depth + 1),
+            Some(b'"') => Ok(Value::String(self.string()?)),
+            Some(b't') => self.literal("true", Value::Bool(true)),
+            Some(b'f') => self.literal("false", Value::Bool(false)),
+            Some(b'n') => self.literal("null", Value::Null),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            Some(b'N' | b'I') => Err(self.nan_or_infinity()),
+            _ => Err(self.syntax("expected a value")),
+        }
     }
-    let offset = byte_offset(text, err.line(), err.column());
-    let rest = text.get(offset.saturating_sub(1)..).unwrap_or("");
-    let rest = rest.trim_start_matches([' ', '\t', '\r', '\n', ':', ',', '[']);
-    let rest = rest.strip_prefix('-').unwrap_or(rest);
-    if rest.starts_with("NaN") || rest.starts_with("Infinity") {
-        return RequestError::InvalidJson {
+
+    fn nan_or_infinity(&self) -> Box<RequestError> {
+        let (line, column) = self.line_column();
+        Box::new(RequestError::InvalidJson {
             message: format!(
-                "invalid JSON: NaN and Infinity are not JSON numbers (line {} column {})",
-                err.line(),
-                err.column()
+                "invalid JSON: NaN and Infinity are not JSON numbers (line {line} column {column})"
             ),
-        };
+        })
     }
-    RequestError::InvalidJson {
-        message: format!("invalid JSON: {msg}"),
+
+    fn literal(&mut self, word: &str, value: Value<'a>) -> PResult<Value<'a>> {
+        if self.bytes[self.pos..].starts_with(word.as_bytes()) {
+            self.pos += word.len();
+            Ok(value)
+        } else {
+            Err(self.syntax("expected a value"))
+        }
     }
-}
 
-fn byte_offset(text: &str, line: usize, column: usize) -> usize {
-    let line_start: usize = text
-        .split_inclusive('\n')
-        .take(line.saturating_sub(1))
-        .map(str::len)
-        .sum();
-    (line_start + column).min(text.len())
-}
-
-fn depth_error(max: usize) -> RequestError {
-    RequestError::LimitExceeded {
-        param: None,
-        message: format!("request body nests deeper than the limit of {max} levels"),
-    }
-}
-
-#[derive(Clone, Copy)]
-struct ValueSeed<'c, 'de> {
-    ctx: &'c Ctx<'de>,
-    depth: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for ValueSeed<'_, 'de> {
-    type Value = Value<'de>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value<'de>, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl ValueSeed<'_, '_> {
-    fn check_string<E: de::Error>(&self, len: usize) -> Result<(), E> {
-        if len > self.ctx.max_string_bytes {
-            return Err(self.ctx.fail(RequestError::LimitExceeded {
+    fn enter(&self, depth: usize) -> PResult<()> {
+        if depth > self.max_depth {
+            return Err(Box::new(RequestError::LimitExceeded {
                 param: None,
                 message: format!(
-                    "a string of {len} bytes is over the limit of {} bytes",
-                    self.ctx.max_string_bytes
+                    "request body nests deeper than the limit of {} levels",
+                    self.max_depth
                 ),
             }));
         }
         Ok(())
     }
 
-    fn nested<E: de::Error>(&self) -> Result<Self, E> {
-        let depth = self.depth + 1;
-        if depth > self.ctx.max_depth {
-            return Err(self.ctx.fail(depth_error(self.ctx.max_depth)));
+    fn array(&mut self, depth: usize) -> PResult<Value<'a>> {
+        self.enter(depth)?;
+        self.pos += 1;
+        self.skip_ws();
+        let mark = self.items.len();
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            return Ok(Value::Array(Vec::new()));
         }
-        Ok(ValueSeed {
-            ctx: self.ctx,
-            depth,
-        })
-    }
-}
-
-impl<'de> Visitor<'de> for ValueSeed<'_, 'de> {
-    type Value = Value<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Value<'de>, E> {
-        Ok(Value::Null)
-    }
-
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value<'de>, E> {
-        Ok(Value::Bool(v))
+        loop {
+            self.skip_ws();
+            let item = self.value(depth)?;
+            self.items.push(item);
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    break;
+                }
+                _ => return Err(self.syntax("expected ',' or ']' in an array")),
+            }
+        }
+        Ok(Value::Array(self.items.drain(mark..).collect()))
     }
 
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value<'de>, E> {
-        Ok(Value::Number(Number::Int(v)))
+    fn object(&mut self, depth: usize) -> PResult<Value<'a>> {
+        self.enter(depth)?;
+        self.pos += 1;
+        self.skip_ws();
+        let mark = self.members.len();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            return Ok(Value::Object(Vec::new()));
+        }
+        loop {
+            self.skip_ws();
+            if self.peek() != Some(b'"') {
+                return Err(self.syntax("expected a string key in an object"));
+            }
+            let key = self.string()?;
+            self.skip_ws();
+            if self.peek() != Some(b':') {
+                return Err(self.syntax("expected ':' after an object key"));
+            }
+            self.pos += 1;
+            self.skip_ws();
+            let value = self.value(depth)?;
+            self.members.push((key, value));
+            self.skip_ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    break;
+                }
+                _ => return Err(self.syntax("expected ',' or '}' in an object")),
+            }
+        }
+        Ok(Value::Object(self.members.drain(mark..).collect()))
     }
 
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value<'de>, E> {
-        Ok(Value::Number(match i64::try_from(v) {
-            Ok(i) => Number::Int(i),
-            Err(_) => Number::UInt(v),
+    /// Index of the next `"`, `\` or control byte at or after `from`.
+    #[inline]
+    fn find_special(&self, mut i: usize) -> Option<usize> {
+        let b = self.bytes;
+        while i + 8 <= b.len() {
+            let mut chunk = [0u8; 8];
+            chunk.copy_from_slice(&b[i..i + 8]);
+            let w = u64::from_le_bytes(chunk);
+            let special = has_zero_byte(w ^ (ONES * u64::from(b'"')))
+                || has_zero_byte(w ^ (ONES * u64::from(b'\\')))
+                || w.wrapping_sub(ONES * 0x20) & !w & HIGHS != 0;
+            if special {
+                break;
+            }
+            i += 8;
+        }
+        while i < b.len() {
+            if matches!(b[i], b'"' | b'\\' | 0..=0x1f) {
+                return Some(i);
+            }
+            i += 1;
+        }
+        None
+    }
+
+    fn check_len(&self, len: usize) -> PResult<()> {
+        if len > self.max_string_bytes {
+            return Err(Box::new(RequestError::LimitExceeded {
+                param: None,
+                message: format!(
+                    "a string of {len} bytes is over the limit of {} bytes",
+                    self.max_string_bytes
+                ),
+            }));
+        }
+        Ok(())
+    }
+
+    /// A string starting at the current `"`.
+    fn string(&mut self) -> PResult<Cow<'a, str>> {
+        let start = self.pos + 1;
+        let Some(end) = self.find_special(start) else {
+            self.pos = self.bytes.len();
+            return Err(self.syntax("unterminated string"));
+        };
+        if self.bytes[end] == b'"' {
+            self.check_len(end - start)?;
+            self.pos = end + 1;
+            // Both ends sit on ASCII bytes of a valid UTF-8 text.
+            return Ok(Cow::Borrowed(&self.text[start..end]));
+        }
+        let mut out = String::with_capacity(end - start + 16);
+        out.push_str(&self.text[start..end]);
+        self.pos = end;
+        loop {
+            let Some(&b) = self.bytes.get(self.pos) else {
+                return Err(self.syntax("unterminated string"));
+            };
+            match b {
+                b'"' => {
+                    self.pos += 1;
+                    self.check_len(out.len())?;
+                    return Ok(Cow::Owned(out));
+                }
+                b'\\' => self.escape(&mut out)?,
+                0..=0x1f => return Err(self.syntax("control character in a string")),
+                _ => {
+                    let run_end = self.find_special(self.pos).unwrap_or(self.bytes.len());
+                    out.push_str(&self.text[self.pos..run_end]);
+                    self.pos = run_end;
+                }
+            }
+            if out.len() > self.max_string_bytes {
+                return self.check_len(out.len()).map(|()| Cow::Owned(out));
+            }
+        }
+    }
+
+    fn escape(&mut self, out: &mut String) -> PResult<()> {
+        self.pos += 1;
+        let Some(&c) = self.bytes.get(self.pos) else {
+            return Err(self.syntax("unterminated string"));
+        };
+        self.pos += 1;
+        let ch = match c {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let first = self.hex4()?;
+                match first {
+                    0xD800..=0xDBFF => {
+                        if !self.bytes[self.pos..].starts_with(b"\\u") {
+                            return Err(self.syntax("lone leading surrogate in a \\u escape"));
+                        }
+                        self.pos += 2;
+                        let second = self.hex4()?;
+                        if !(0xDC00..=0xDFFF).contains(&second) {
+                            return Err(self.syntax("invalid surrogate pair in a \\u escape"));
+                        }
+                        let code = 0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00);
+                        char::from_u32(code).ok_or_else(|| self.syntax("invalid \\u escape"))?
+                    }
+                    0xDC00..=0xDFFF => {
+                        return Err(self.syntax("lone trailing surrogate in a \\u escape"))
+                    }
+                    code => {
+                        char::from_u32(code).ok_or_else(|| self.syntax("invalid \\u escape"))?
+                    }
+                }
+            }
+            _ => {
+                self.pos -= 1;
+                return Err(self.syntax("invalid escape in a string"));
+            }
+        };
+        out.push(ch);
+        Ok(())
+    }
+
+    fn hex4(&mut self) -> PResult<u32> {
+        let digits = self
+            .bytes
+            .get(self.pos..self.pos + 4)
+            .ok_or_else(|| self.syntax("unterminated \\u escape"))?;
+        let mut code = 0u32;
+        for &d in digits {
+            let v = match d {
+                b'0'..=b'9' => d - b'0',
+                b'a'..=b'f' => d - b'a' + 10,
+                b'A'..=b'F' => d - b'A' + 10,
+                _ => return Err(self.syntax("invalid \\u escape")),
+            };
+            code = code * 16 + u32::from(v);
+        }
+        self.pos += 4;
+        Ok(code)
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while matches!(self.peek(), Some(b'0'..=b'9')) {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    fn number(&mut self) -> PResult<Value<'a>> {
+        let start = self.pos;
+        let negative = self.peek() == Some(b'-');
+        if negative {
+            self.pos += 1;
+            if self.peek() == Some(b'I') {
+                return Err(self.nan_or_infinity());
+            }
+        }
+        let int_start = self.pos;
+        match self.digits() {
+            0 => return Err(self.syntax("invalid number")),
+            n if n > 1 && self.bytes[int_start] == b'0' => {
+                self.pos = int_start + 1;
+                return Err(self.syntax("invalid number: leading zero"));
+            }
+            _ => {}
+        }
+        let int_end = self.pos;
+        let mut is_float = false;
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return Err(self.syntax("invalid number"));
+            }
+            is_float = true;
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.pos += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return Err(self.syntax("invalid number"));
+            }
+            is_float = true;
+        }
+        let literal = &self.text[start..self.pos];
+        if is_float {
+            return match literal.parse::<f64>() {
+                Ok(f) if f.is_finite() => Ok(Value::Number(Number::Float(f))),
+                _ => Err(self.syntax("number out of range")),
+            };
+        }
+        let mut magnitude: u64 = 0;
+        for &d in &self.bytes[int_start..int_end] {
+            match magnitude
+                .checked_mul(10)
+                .and_then(|m| m.checked_add(u64::from(d - b'0')))
+            {
+                Some(m) => magnitude = m,
+                None => return self.big_integer(literal, int_end - int_start),
+            }
+        }
+        Ok(Value::Number(if negative {
+            match magnitude {
+                0 => Number::Int(0),
+                m if m <= 1 << 63 => Number::Int((m as i64).wrapping_neg()),
+                _ => return self.big_integer(literal, int_end - int_start),
+            }
+        } else {
+            match i64::try_from(magnitude) {
+                Ok(i) => Number::Int(i),
+                Err(_) => Number::UInt(magnitude),
+            }
         }))
     }
 
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value<'de>, E> {
-        if v.is_finite() {
-            if v.fract() == 0.0 && v.abs() >= 9.2e18 {
-                self.ctx.maybe_big_integer.set(true);
-            }
-            Ok(Value::Number(Number::Float(v)))
-        } else {
-            Err(self.ctx.fail(RequestError::InvalidJson {
-                message: "invalid JSON: number out of range".into(),
-            }))
+    fn big_integer(&self, literal: &'a str, digits: usize) -> PResult<Value<'a>> {
+        if digits > MAX_BIG_INTEGER_DIGITS {
+            return Err(Box::new(RequestError::LimitExceeded {
+                param: None,
+                message: format!(
+                    "an integer of {digits} digits is over the limit of {MAX_BIG_INTEGER_DIGITS}"
+                ),
+            }));
         }
-    }
-
-    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Value<'de>, E> {
-        self.check_string(v.len())?;
-        Ok(Value::String(Cow::Borrowed(v)))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value<'de>, E> {
-        self.check_string(v.len())?;
-        Ok(Value::String(Cow::Owned(v.to_owned())))
-    }
-
-    fn visit_string<E: de::Error>(self, v: String) -> Result<Value<'de>, E> {
-        self.check_string(v.len())?;
-        Ok(Value::String(Cow::Owned(v)))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value<'de>, A::Error> {
-        let inner = self.nested()?;
-        let mark = self.ctx.items.borrow().len();
-        while let Some(item) = seq.next_element_seed(inner)? {
-            self.ctx.items.borrow_mut().push(item);
-        }
-        let items = self.ctx.items.borrow_mut().drain(mark..).collect();
-        Ok(Value::Array(items))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value<'de>, A::Error> {
-        let key_seed = KeySeed { outer: self };
-        let Some(first) = map.next_key_seed(key_seed)? else {
-            self.nested::<A::Error>()?;
-            return Ok(Value::Object(Vec::new()));
-        };
-        let inner = self.nested()?;
-        let mark = self.ctx.members.borrow().len();
-        let value = map.next_value_seed(inner)?;
-        self.ctx.members.borrow_mut().push((first, value));
-        while let Some(key) = map.next_key_seed(key_seed)? {
-            let value = map.next_value_seed(inner)?;
-            self.ctx.members.borrow_mut().push((key, value));
-        }
-        let members = self.ctx.members.borrow_mut().drain(mark..).collect();
-        Ok(Value::Object(members))
+        Ok(Value::BigInt(Cow::Borrowed(literal)))
     }
 }
 
-#[derive(Clone, Copy)]
-struct KeySeed<'c, 'de> {
-    outer: ValueSeed<'c, 'de>,
-}
+/// Parser-internal results: the error boxed, so that the hot `Ok` path moves less.
+type PResult<T> = std::result::Result<T, Box<RequestError>>;
 
-impl<'de> DeserializeSeed<'de> for KeySeed<'_, 'de> {
-    type Value = Cow<'de, str>;
-
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Cow<'de, str>, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeySeed<'_, 'de> {
-    type Value = Cow<'de, str>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an object key")
-    }
-
-    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Cow<'de, str>, E> {
-        self.outer.check_string(v.len())?;
-        Ok(Cow::Borrowed(v))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Cow<'de, str>, E> {
-        self.outer.check_string(v.len())?;
-        Ok(Cow::Owned(v.to_owned()))
-    }
-
-    fn visit_string<E: de::Error>(self, v: String) -> Result<Cow<'de, str>, E> {
-        self.outer.check_string(v.len())?;
-        Ok(Cow::Owned(v))
-    }
-}
+/// Most digits of an integer beyond 64 bits (Python's default int-string limit).
+const MAX_BIG_INTEGER_DIGITS: usize = 4300;

@@ -188,7 +188,10 @@ fn big_integers_keep_every_digit() {
         serde_json::to_string(&v).expect("serializes"),
         format!(r#"{{"a":[1e+19,{digits},18446744073709551616,0.5]}}"#)
     );
-    let too_big = format!(r#"{{"a":{}}}"#, "9".repeat(400));
-    let err = parse_str(&too_big, &Limits::default()).expect_err("beyond f64 range");
-    assert_eq!(err.code(), "invalid_json");
+    let beyond_floats = format!(r#"{{"a":{}}}"#, "9".repeat(400));
+    let v = parse_str(&beyond_floats, &Limits::default()).expect("kept exact");
+    assert_eq!(v.get("a"), Some(&Value::BigInt("9".repeat(400).into())));
+    let too_long = format!(r#"{{"a":{}}}"#, "9".repeat(5000));
+    let err = parse_str(&too_long, &Limits::default()).expect_err("over the digit limit");
+    assert_eq!(err.code(), "limit_exceeded");
 }

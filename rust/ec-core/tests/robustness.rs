@@ -49,3 +49,98 @@ fn mutated_bodies_never_panic() {
     }
     assert!(outcomes[0] > 1000 && outcomes[1] > 10, "{outcomes:?}");
 }
+
+/// The parser accepts and rejects what serde_json does, and builds the same values.
+#[test]
+fn json_parser_agrees_with_serde_json() {
+    let mut docs: Vec<String> = [
+        r#"{"a":[1,-2,3.5e-3,1E+2,-1,0.0,true,false,null,"s"],"b":{"c":{},"d":[]}}"#,
+        r#"  [ 1 , [ 2 , [ 3 ] ] ]  "#,
+        r#""esc \" \\ \/ \b \f \n \r \t \u0041 \u00e9 \ud83d\ude00""#,
+        r#"{"dup":1,"dup":2}"#,
+        "18446744073709551615",
+        "-9223372036854775808",
+        "-9223372036854775809",
+        "1.7976931348623157e308",
+        "5e-324",
+        "123456789012345678901234567890",
+        "\"\u{e9}\u{6f22}\u{1F600}\"",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let bad = [
+        "",
+        " ",
+        "{",
+        "}",
+        "[",
+        "[1,]",
+        "{\"a\":1,}",
+        "{\"a\" 1}",
+        "{1:2}",
+        "01",
+        "1.",
+        ".5",
+        "-",
+        "+1",
+        "1e",
+        "1e+",
+        "--1",
+        "tru",
+        "nul",
+        "[1 2]",
+        "\"\\x\"",
+        "\"\\u12\"",
+        "\"\\ud800\"",
+        "\"\\udc00\"",
+        "\"\\ud800\\u0041\"",
+        "\"a\u{1}b\"",
+        "\"open",
+        "NaN",
+        "-Infinity",
+        "1e400",
+        "[1]]",
+        "{}{}",
+        "\"\\",
+        "[\"a\"\"b\"]",
+    ];
+    docs.extend(bad.iter().map(|s| s.to_string()));
+    // Truncations and single-byte edits of a rich document.
+    let seed = r#"{"m":[{"r":"u","c":[{"t":"x","v":"a\nb"},{"n":-12.5e3}]}],"k":{"ids":[1,2,3],"f":false,"z":null}}"#;
+    for cut in 0..seed.len() {
+        docs.push(seed[..cut].to_string());
+    }
+    for (i, _) in seed.char_indices() {
+        for b in ["\"", "]", "}", ",", ":", "1", "e", "-", " ", "\\", "x"] {
+            let mut d = seed.to_string();
+            d.replace_range(i..i + 1, b);
+            docs.push(d);
+        }
+    }
+    let limits = Limits::default();
+    let mut checked = [0usize; 2];
+    for doc in &docs {
+        let ours = ec_core::parse_str(doc, &limits);
+        let theirs = serde_json::from_str::<serde_json::Value>(doc);
+        assert_eq!(
+            ours.is_ok(),
+            theirs.is_ok(),
+            "{doc:?}: ours {ours:?}, serde_json {theirs:?}"
+        );
+        if let (Ok(ours), Ok(theirs)) = (ours, theirs) {
+            let ours_json = serde_json::to_string(&ours).expect("serializes");
+            let again: serde_json::Value = serde_json::from_str(&ours_json).expect("valid");
+            assert_eq!(again, theirs, "{doc:?}");
+            checked[1] += 1;
+        } else {
+            checked[0] += 1;
+        }
+    }
+    assert!(checked[0] > 100 && checked[1] > 20, "{checked:?}");
+    // Where the two differ on purpose: -0 is the integer 0 (as Python's json reads it).
+    assert_eq!(
+        ec_core::parse_str("-0", &limits),
+        Ok(ec_core::Value::Number(ec_core::Number::Int(0)))
+    );
+}

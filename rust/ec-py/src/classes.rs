@@ -174,12 +174,17 @@ impl PyMediaItem {
         }
         // Under the lock, so that a concurrent first read (free-threaded Python) waits
         // for the one `bytes` object instead of finding the raw bytes gone.
-        let mut raw = self.raw.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut raw = self
+            .raw
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(bytes) = self.data.get() {
             return Some(bytes.clone_ref(py));
         }
         let decoded = raw.take()?;
-        let bytes = self.data.get_or_init(|| PyBytes::new(py, &decoded).unbind());
+        let bytes = self
+            .data
+            .get_or_init(|| PyBytes::new(py, &decoded).unbind());
         Some(bytes.clone_ref(py))
     }
     #[getter]
