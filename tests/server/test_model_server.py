@@ -8,12 +8,15 @@ The server runs with the echo connectors of ``ec_test_connectors``: their
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import ec_frontend as ecf
 import httpx
 import openai
 import orjson
 import pytest
+from ec_frontend.model.loader import load_processor
 
 from .conftest import MODEL_NAME, ServerProcess, png_data_url
 
@@ -223,3 +226,39 @@ def test_disconnect_mid_stream_frees_kv_and_encoder_refs(model_server: ServerPro
     assert {k: m[k] for k in IDLE} == IDLE
     assert m["ec_frontend_requests_aborted_total"] >= 1
     assert httpx.get(model_server.url + "/health").status_code == 200
+
+
+def test_generate_with_features_reuses_the_encoded_image(
+    model_server: ServerProcess, builtin_model_dir: Path
+) -> None:
+    """A chat request encodes an image; generate then names it by mm_hash and placeholders
+    (no pixels) and continues exactly as the chat did."""
+    model_id = httpx.get(model_server.url + "/v1/models").json()["data"][0]["root"]
+    chat_body = orjson.dumps(
+        {"model": MODEL_NAME, "messages": IMAGE_MESSAGES, "max_tokens": 4, "temperature": 0}
+    )
+    chat = httpx.post(model_server.url + "/v1/chat/completions", content=chat_body).json()
+    hits = model_server.metrics()["ec_frontend_encoder_cache_hits_total"]
+
+    parsed = ecf.parse_request("chat", chat_body, model_id=model_id)
+    inputs = load_processor(builtin_model_dir, model_id=model_id).process_chat(
+        parsed.messages, parsed.media, add_generation_prompt=True
+    )
+    (feat,) = inputs.mm_features
+    body = {
+        "token_ids": inputs.prompt_token_ids,
+        "features": {
+            "mm_hashes": [feat.mm_hash],
+            "mm_placeholders": [{"offset": feat.offset, "length": feat.length}],
+            "mm_grid_thw": [list(feat.image_grid_thw)],
+        },
+        "sampling_params": {"max_tokens": 4, "temperature": 0, "detokenize": True},
+        "ec_transfer_params": {},
+    }
+    r = httpx.post(model_server.url + "/inference/v1/generate", content=orjson.dumps(body))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert out["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    assert out["ec_transfer_params"]["received"] == {}
+    assert model_server.metrics()["ec_frontend_encoder_cache_hits_total"] == hits + 1

@@ -49,7 +49,7 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
     """The engine config and the checkpoint directory for ``opts``."""
     ec = ECTransferConfig.from_json(opts.ec_transfer_config) if opts.ec_transfer_config else None
     kv = KVTransferConfig.from_json(opts.kv_transfer_config) if opts.kv_transfer_config else None
-    from ec_frontend.model.builtin import BUILTIN_MODEL_ID, ensure_builtin_checkpoint
+    from ec_frontend.model.builtin import BUILTIN_MODEL_ID, BUILTIN_NAME, ensure_builtin_checkpoint
     from ec_frontend.model.loader import load_config
 
     if opts.model is None:
@@ -57,7 +57,9 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
         model_id = BUILTIN_MODEL_ID
     else:
         path = Path(opts.model)
-        model_id = path.resolve().name
+        name = path.resolve().name
+        # The built-in checkpoint has one id wherever it was written.
+        model_id = BUILTIN_MODEL_ID if name == BUILTIN_NAME else name
     hf = load_config(path)
     model_max = int(hf.text_config.max_position_embeddings)
     max_len = opts.max_model_len or min(model_max, 4096)
