@@ -36,11 +36,11 @@ pub fn merge_transfer_params<'a>(
     Some(Value::Object(members))
 }
 
-/// [`merge_transfer_params`] for a caller that owns `xargs` and gives it up: the same
-/// result, without copying `xargs`.
+/// [`merge_transfer_params`] for a caller that owns both values and gives them up:
+/// the same result, without copying either.
 pub fn merge_transfer_params_owned<'a>(
     xargs: Option<Value<'a>>,
-    params: Option<&Value<'a>>,
+    params: Option<Value<'a>>,
     key: &'static str,
 ) -> Option<Value<'a>> {
     let Some(params) = params else {
@@ -53,7 +53,7 @@ pub fn merge_transfer_params_owned<'a>(
         }
         _ => Vec::with_capacity(1),
     };
-    members.push((Cow::Borrowed(key), params.clone()));
+    members.push((Cow::Borrowed(key), params));
     Some(Value::Object(members))
 }
 

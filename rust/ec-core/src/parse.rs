@@ -52,11 +52,11 @@ pub fn parse_request(
     req.user = opt_string(fields.raw(F::User), &ROOT.key("user"))?;
     req.request_id = opt_string(fields.raw(F::RequestId), &ROOT.key("request_id"))?;
     (req.stream, req.include_usage) = stream_flags(&fields)?;
-    req.kv_transfer_params = opt_object(
+    let kv_transfer_params = opt_object(
         fields.raw(F::KvTransferParams),
         &ROOT.key("kv_transfer_params"),
     )?;
-    req.ec_transfer_params = opt_object(
+    let ec_transfer_params = opt_object(
         fields.raw(F::EcTransferParams),
         &ROOT.key("ec_transfer_params"),
     )?;
@@ -187,9 +187,10 @@ pub fn parse_request(
     }
     req.media = media.items;
 
-    let merged = merge_transfer_params_owned(base_xargs, req.kv_transfer_params.as_ref(), KV_KEY);
-    req.sampling.extra_args =
-        merge_transfer_params_owned(merged, req.ec_transfer_params.as_ref(), EC_KEY);
+    req.has_kv_transfer_params = kv_transfer_params.is_some();
+    req.has_ec_transfer_params = ec_transfer_params.is_some();
+    let merged = merge_transfer_params_owned(base_xargs, kv_transfer_params, KV_KEY);
+    req.sampling.extra_args = merge_transfer_params_owned(merged, ec_transfer_params, EC_KEY);
     Ok(req)
 }
 

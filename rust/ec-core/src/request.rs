@@ -206,8 +206,13 @@ pub struct ParsedRequest {
     /// Generate requests.
     pub features: Option<Features>,
     pub media: Vec<MediaItem>,
-    pub kv_transfer_params: Option<OwnedValue>,
-    pub ec_transfer_params: Option<OwnedValue>,
+    /// Whether the body had a top-level `kv_transfer_params` object; the value itself
+    /// lives in `sampling.extra_args` (see [`ParsedRequest::kv_transfer_params`]).
+    #[serde(skip)]
+    pub has_kv_transfer_params: bool,
+    /// As `has_kv_transfer_params`, for `ec_transfer_params`.
+    #[serde(skip)]
+    pub has_ec_transfer_params: bool,
     pub mm_processor_kwargs: Option<OwnedValue>,
     pub chat_template_kwargs: Option<OwnedValue>,
     pub add_generation_prompt: bool,
@@ -233,8 +238,8 @@ impl ParsedRequest {
             token_ids: None,
             features: None,
             media: Vec::new(),
-            kv_transfer_params: None,
-            ec_transfer_params: None,
+            has_kv_transfer_params: false,
+            has_ec_transfer_params: false,
             mm_processor_kwargs: None,
             chat_template_kwargs: None,
             add_generation_prompt: true,
@@ -246,8 +251,38 @@ impl ParsedRequest {
 }
 
 impl ParsedRequest {
+    fn extra_arg(&self, present: bool, key: &str) -> Option<&OwnedValue> {
+        if !present {
+            return None;
+        }
+        self.sampling.extra_args.as_ref()?.get(key)
+    }
+
+    /// The top-level `kv_transfer_params` (`None` when absent or `null`). Stored once,
+    /// in `sampling.extra_args`, where the top-level field always wins.
+    pub fn kv_transfer_params(&self) -> Option<&OwnedValue> {
+        self.extra_arg(self.has_kv_transfer_params, crate::merge::KV_KEY)
+    }
+
+    /// The top-level `ec_transfer_params` (`None` when absent or `null`).
+    pub fn ec_transfer_params(&self) -> Option<&OwnedValue> {
+        self.extra_arg(self.has_ec_transfer_params, crate::merge::EC_KEY)
+    }
+
     /// The request as JSON (media bytes left out), for logs and tests.
     pub fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
+        #[derive(Serialize)]
+        struct View<'r> {
+            #[serde(flatten)]
+            request: &'r ParsedRequest,
+            kv_transfer_params: Option<&'r OwnedValue>,
+            ec_transfer_params: Option<&'r OwnedValue>,
+        }
+        let view = View {
+            request: self,
+            kv_transfer_params: self.kv_transfer_params(),
+            ec_transfer_params: self.ec_transfer_params(),
+        };
+        serde_json::to_string(&view).unwrap_or_default()
     }
 }

@@ -390,11 +390,11 @@ impl PyParsedRequest {
     }
     #[getter]
     fn kv_transfer_params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        opt_value_to_py(py, self.inner.kv_transfer_params.as_ref())
+        opt_value_to_py(py, self.inner.kv_transfer_params())
     }
     #[getter]
     fn ec_transfer_params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        opt_value_to_py(py, self.inner.ec_transfer_params.as_ref())
+        opt_value_to_py(py, self.inner.ec_transfer_params())
     }
     #[getter]
     fn mm_processor_kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
