@@ -25,7 +25,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.entrypoints.errors import APIError
 from ec_frontend.metrics import ServerMetrics
 
 Scope = MutableMapping[str, Any]
@@ -76,41 +76,62 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+def _with_request_id(send: Send, rid: bytes) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+        await send(message)
+
+    return wrapped
+
+
 class FrontMiddleware:
     """See the module docstring. ``routes`` maps POST paths to handlers called
-    directly (bypassing the wrapped app); ``on_error`` renders their exceptions."""
+    directly (bypassing the wrapped app); ``on_error`` (the server's one error
+    handler) renders their exceptions and this middleware's own refusals."""
 
     def __init__(
         self,
         app: ASGIApp,
         state: FrontState,
-        routes: dict[str, Handler] | None = None,
-        on_error: Callable[[Exception], Response] | None = None,
+        routes: dict[str, Handler],
+        on_error: Callable[[Exception], Response],
     ) -> None:
         self.app = app
         self.state = state
-        self.routes = routes or {}
+        self.routes = routes
         self.on_error = on_error
 
-    async def _reject(
-        self, send: Send, status: int, message: str, code: str, rid: bytes, extra: list[Any]
-    ) -> None:
-        body = error_body(status, message, None, code)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", rid),
-            *extra,
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    def _admission(self, scope: Scope, path: str) -> APIError | None:
+        """Why a request may not proceed (drain, API key, overload), or ``None``."""
+        state = self.state
+        if state.draining and path != "/metrics":
+            return APIError(
+                503, "the server is shutting down", code="draining", headers={"connection": "close"}
+            )
+        if state.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+            auth = _header(scope, b"authorization") or b""
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, state.api_key):
+                return APIError(
+                    401,
+                    "invalid or missing API key",
+                    code="invalid_api_key",
+                    headers={"www-authenticate": "Bearer"},
+                )
+        if (
+            path in GENERATION_ENDPOINTS
+            and scope["method"] == "POST"
+            and state.metrics.in_flight >= state.max_in_flight
+        ):
+            return APIError(503, "the server is overloaded; retry later", code="overloaded")
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state = self.state
-        metrics = state.metrics
+        metrics = self.state.metrics
         path: str = scope["path"]
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         rid = _header(scope, b"x-request-id")
@@ -118,28 +139,14 @@ class FrontMiddleware:
             rid = uuid.uuid4().hex.encode()
         scope["ec_request_id"] = rid.decode()
 
-        reject: tuple[int, str, str, list[Any]] | None = None
-        generation = path in GENERATION_ENDPOINTS and scope["method"] == "POST"
-        if state.draining and path != "/metrics":
-            reject = (503, "the server is shutting down", "draining", [(b"connection", b"close")])
-        elif state.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
-            auth = _header(scope, b"authorization") or b""
-            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, state.api_key):
-                reject = (
-                    401,
-                    "invalid or missing API key",
-                    "invalid_api_key",
-                    [(b"www-authenticate", b"Bearer")],
-                )
-        if reject is None and generation and metrics.in_flight >= state.max_in_flight:
-            reject = (503, "the server is overloaded; retry later", "overloaded", [])
+        reject = self._admission(scope, path)
         if reject is not None:
-            status, message, code, extra = reject
-            await self._reject(send, status, message, code, rid, extra)
-            metrics.requests.inc((endpoint, str(status)))
+            response = self.on_error(reject)
+            await response(scope, receive, _with_request_id(send, rid))
+            metrics.requests.inc((endpoint, str(reject.status)))
             return
 
+        generation = path in GENERATION_ENDPOINTS and scope["method"] == "POST"
         status_holder = [500]
 
         async def send_wrapper(message: Message) -> None:
@@ -152,7 +159,7 @@ class FrontMiddleware:
             metrics.in_flight += 1
         try:
             handler = self.routes.get(path) if generation else None
-            if handler is None or self.on_error is None:
+            if handler is None:
                 await self.app(scope, receive, send_wrapper)
             else:
                 try:
