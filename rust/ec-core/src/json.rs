@@ -43,7 +43,7 @@ pub fn parse_str<'a>(text: &'a str, limits: &Limits) -> Result<Value<'a>> {
         max_depth: limits.effective_depth(),
         max_string_bytes: limits.max_string_bytes,
         items: Vec::with_capacity(64),
-        members: Vec::with_capacity(64),
+        keys: Vec::with_capacity(64),
     };
     p.skip_ws();
     if p.pos == p.bytes.len() {
@@ -51,12 +51,12 @@ pub fn parse_str<'a>(text: &'a str, limits: &Limits) -> Result<Value<'a>> {
             message: "request body is empty: expected a JSON object".into(),
         });
     }
-    let value = p.value(0).map_err(|e| *e)?;
+    p.value(0).map_err(|e| *e)?;
     p.skip_ws();
     if p.pos != p.bytes.len() {
         return Err(*p.syntax("trailing characters after the JSON value"));
     }
-    Ok(value)
+    Ok(p.items.pop().unwrap_or(Value::Null))
 }
 
 struct Parser<'a> {
@@ -65,10 +65,11 @@ struct Parser<'a> {
     pos: usize,
     max_depth: usize,
     max_string_bytes: usize,
-    /// Elements and members of the containers being parsed, as one stack each: a
-    /// container moves its own tail into an exactly sized `Vec` when it closes.
+    /// Values parsed so far and the keys of the objects being parsed, as stacks: every
+    /// value is built in place on `items`, and a container moves its own tail into an
+    /// exactly sized `Vec` when it closes.
     items: Vec<Value<'a>>,
-    members: Vec<(Cow<'a, str>, Value<'a>)>,
+    keys: Vec<Cow<'a, str>>,
 }
 
 const ONES: u64 = 0x0101_0101_0101_0101;
@@ -113,11 +114,16 @@ impl<'a> Parser<'a> {
         self.bytes.get(self.pos).copied()
     }
 
-    fn value(&mut self, depth: usize) -> PResult<Value<'a>> {
+    /// Parses one value and pushes it onto `items`.
+    fn value(&mut self, depth: usize) -> PResult<()> {
         match self.peek() {
             Some(b'{') => self.object(depth + 1),
             Some(b'[') => self.array(depth + 1),
-            Some(b'"') => Ok(Value::String(self.string()?)),
+            Some(b'"') => {
+                let s = self.string()?;
+                self.items.push(Value::String(s));
+                Ok(())
+            }
             Some(b't') => self.literal("true", Value::Bool(true)),
             Some(b'f') => self.literal("false", Value::Bool(false)),
             Some(b'n') => self.literal("null", Value::Null),
@@ -136,10 +142,11 @@ impl<'a> Parser<'a> {
         })
     }
 
-    fn literal(&mut self, word: &str, value: Value<'a>) -> PResult<Value<'a>> {
+    fn literal(&mut self, word: &str, value: Value<'a>) -> PResult<()> {
         if self.bytes[self.pos..].starts_with(word.as_bytes()) {
             self.pos += word.len();
-            Ok(value)
+            self.items.push(value);
+            Ok(())
         } else {
             Err(self.syntax("expected a value"))
         }
@@ -158,19 +165,19 @@ impl<'a> Parser<'a> {
         Ok(())
     }
 
-    fn array(&mut self, depth: usize) -> PResult<Value<'a>> {
+    fn array(&mut self, depth: usize) -> PResult<()> {
         self.enter(depth)?;
         self.pos += 1;
         self.skip_ws();
-        let mark = self.items.len();
         if self.peek() == Some(b']') {
             self.pos += 1;
-            return Ok(Value::Array(Vec::new()));
+            self.items.push(Value::Array(Vec::new()));
+            return Ok(());
         }
+        let mark = self.items.len();
         loop {
             self.skip_ws();
-            let item = self.value(depth)?;
-            self.items.push(item);
+            self.value(depth)?;
             self.skip_ws();
             match self.peek() {
                 Some(b',') => self.pos += 1,
@@ -181,32 +188,36 @@ impl<'a> Parser<'a> {
                 _ => return Err(self.syntax("expected ',' or ']' in an array")),
             }
         }
-        Ok(Value::Array(self.items.drain(mark..).collect()))
+        let items = self.items.drain(mark..).collect();
+        self.items.push(Value::Array(items));
+        Ok(())
     }
 
-    fn object(&mut self, depth: usize) -> PResult<Value<'a>> {
+    fn object(&mut self, depth: usize) -> PResult<()> {
         self.enter(depth)?;
         self.pos += 1;
         self.skip_ws();
-        let mark = self.members.len();
         if self.peek() == Some(b'}') {
             self.pos += 1;
-            return Ok(Value::Object(Vec::new()));
+            self.items.push(Value::Object(Vec::new()));
+            return Ok(());
         }
+        let mark = self.items.len();
+        let key_mark = self.keys.len();
         loop {
             self.skip_ws();
             if self.peek() != Some(b'"') {
                 return Err(self.syntax("expected a string key in an object"));
             }
             let key = self.string()?;
+            self.keys.push(key);
             self.skip_ws();
             if self.peek() != Some(b':') {
                 return Err(self.syntax("expected ':' after an object key"));
             }
             self.pos += 1;
             self.skip_ws();
-            let value = self.value(depth)?;
-            self.members.push((key, value));
+            self.value(depth)?;
             self.skip_ws();
             match self.peek() {
                 Some(b',') => self.pos += 1,
@@ -217,7 +228,13 @@ impl<'a> Parser<'a> {
                 _ => return Err(self.syntax("expected ',' or '}' in an object")),
             }
         }
-        Ok(Value::Object(self.members.drain(mark..).collect()))
+        let members = self
+            .keys
+            .drain(key_mark..)
+            .zip(self.items.drain(mark..))
+            .collect();
+        self.items.push(Value::Object(members));
+        Ok(())
     }
 
     /// Index of the next `"`, `\` or control byte at or after `from`.
@@ -372,7 +389,13 @@ impl<'a> Parser<'a> {
         self.pos - start
     }
 
-    fn number(&mut self) -> PResult<Value<'a>> {
+    fn number(&mut self) -> PResult<()> {
+        let n = self.number_value()?;
+        self.items.push(n);
+        Ok(())
+    }
+
+    fn number_value(&mut self) -> PResult<Value<'a>> {
         let start = self.pos;
         let negative = self.peek() == Some(b'-');
         if negative {
