@@ -15,6 +15,7 @@ streamed and not, and the metrics must show that nothing was recomputed.
 from __future__ import annotations
 
 import random
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -318,3 +319,23 @@ def test_unusable_kv_params_give_a_logged_local_prefill(
     before = dep["d"].metric("kv_local_prefill_fallbacks_total")
     assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
     assert dep["d"].metric("kv_local_prefill_fallbacks_total") == before + 1
+
+
+def test_client_disconnect_mid_stream_aborts_decode(dep: dict[str, Proc]) -> None:
+    d = dep["d"]
+    before = d.metric("generation_tokens_total")
+    body = {"model": MODEL_NAME, "messages": CASES["one-image"], "max_tokens": 900,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream(
+        "POST", dep["E+P+D"].url + "/v1/chat/completions", json=body, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break
+    deadline = time.monotonic() + 20
+    while d.metric("num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert d.metric("num_requests_running") == 0
+    assert d.metric("kv_blocks_used") == 0
+    assert d.metric("generation_tokens_total") - before < 900
