@@ -162,6 +162,13 @@ def test_completions(client: openai.OpenAI) -> None:
     assert r.usage is not None and r.usage.prompt_tokens == 6
 
 
+def test_completions_echo_token_prompt(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MOCK_MODEL, prompt=[104, 105], max_tokens=3, temperature=0, echo=True
+    )
+    assert r.choices[0].text == "hi" + echo("hi", 3)
+
+
 def test_completions_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(
         model=MOCK_MODEL, prompt="abc", max_tokens=3, temperature=0, logprobs=1

@@ -115,7 +115,12 @@ class Serving:
         elif endpoint == "completions":
             for i, prompt in enumerate(parsed.prompts or []):
                 inputs = await self._process(processor.process_prompt, prompt)
-                text = prompt if isinstance(prompt, str) else None
+                if isinstance(prompt, str):
+                    text: str | None = prompt
+                elif parsed.echo:
+                    text = processor.tokenizer.decode(prompt)
+                else:
+                    text = None
                 param = "prompt" if len(parsed.prompts or []) == 1 else f"prompt[{i}]"
                 prompts.append((inputs, param, text))
         else:
