@@ -191,7 +191,8 @@ class App:
         except asyncio.CancelledError:
             if not watch.gone or task is None:
                 raise
-            task.uncancel()
+            if hasattr(task, "uncancel"):  # Python 3.11+: undo our own cancel request
+                task.uncancel()
             raise APIError(499, "client disconnected", code="client_disconnected") from None
         finally:
             handle.cancel()
