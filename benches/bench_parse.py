@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    rounds, budget = (3, 0.02) if args.quick else (15, 0.1)
+    rounds, budget = (3, 0.02) if args.quick else (40, 0.03)
     mirrors = _load_mirror()
     mirror, full_mirror = mirrors.ChatCompletionRequest, mirrors.FullChatCompletionRequest
     image_body, image_url, image_raw = _image_request()
