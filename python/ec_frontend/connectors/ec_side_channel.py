@@ -12,11 +12,15 @@ and delays freeing the request until each of its items has been pulled once
 or has outlived ``ttl_s``; a pulled item leaves the store.
 
 Consumer (``ec_consumer`` / ``ec_both``): an item is loadable when the
-request's ``ec_transfer_params`` name a peer for it; the worker pulls all of a
-step's items in parallel, each bounded by ``timeout_s`` and by the size the
-params announced (at most ``max_item_bytes``). An item that cannot be pulled
-is a load failure: the runner encodes it locally, or fails the request when it
-has no pixel values.
+request's ``ec_transfer_params`` name a peer for it. When the scheduler first
+considers the request, :meth:`ECSideChannelConnector.is_request_ready` starts
+pulling its items in the background and the request waits aside (the batch
+runs on) until every pull has ended; the worker then takes the pulled tensors
+into the encoder cache. Pulls run in parallel, each bounded by ``timeout_s``
+and by the size the params announced (at most ``max_item_bytes``). An item
+that cannot be pulled is a load failure: the runner encodes it locally, or
+fails the request when it has no pixel values. Items offered but found in the
+consumer's cache are released at the producer.
 
 Settings (``ec_connector_extra_config`` wins over the environment):
 
@@ -41,10 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,17 +59,15 @@ from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECLoadSpec,
 )
+from ec_frontend.connectors.ec_side_channel_store import staging_for, store_for
 from ec_frontend.connectors.side_channel_wire import (
-    SideChannelServer,
     WireError,
     env_setting,
     request_header,
     request_tensor,
     tensor_nbytes,
-    tensor_payload,
 )
 from ec_frontend.connectors.transfer_settings import Settings
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
     from ec_frontend.engine.config import ECTransferConfig
@@ -95,147 +94,6 @@ class ECSideChannelMetadata(ECConnectorMetadata):
     peers: dict[str, Peer] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class _Item:
-    tensor: torch.Tensor
-    nbytes: int
-    expires: float
-
-
-class _Store:
-    """The producer's items and server, shared by the two halves of one engine."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.lock = threading.Lock()
-        self.items: OrderedDict[str, _Item] = OrderedDict()
-        self.nbytes = 0
-        self.pulled = 0
-        self.encoder_cache: dict[str, torch.Tensor] | None = None
-        self.waiting: dict[str, set[str]] = {}
-        self.server = SideChannelServer(
-            settings.host, settings.port, self._handle, timeout_s=settings.timeout_s
-        )
-        self.peer_host = settings.advertise_host or settings.host
-
-    def put(self, mm_hash: str, tensor: torch.Tensor) -> None:
-        cpu = tensor.detach().to("cpu").contiguous()
-        nbytes = cpu.numel() * cpu.element_size()
-        with self.lock:
-            self._drop(mm_hash)
-            self.items[mm_hash] = _Item(cpu, nbytes, time.monotonic() + self.settings.ttl_s)
-            self.nbytes += nbytes
-            while self.items and (
-                len(self.items) > self.settings.max_items or self.nbytes > self.settings.max_bytes
-            ):
-                self._drop(next(iter(self.items)))
-
-    def get(self, mm_hash: str) -> _Item | None:
-        with self.lock:
-            self._expire()
-            return self.items.get(mm_hash)
-
-    def _drop(self, mm_hash: str) -> None:
-        item = self.items.pop(mm_hash, None)
-        if item is not None:
-            self.nbytes -= item.nbytes
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for mm_hash in [h for h, item in self.items.items() if item.expires <= now]:
-            logger.info("EC item %s expired before it was pulled", mm_hash)
-            self._drop(mm_hash)
-
-    def wait_for(self, request_id: str, hashes: set[str]) -> None:
-        with self.lock:
-            self.waiting[request_id] = hashes
-
-    def take_done(self) -> set[str]:
-        """Requests none of whose items is still in the store; forgets them."""
-        if not self.waiting:
-            return set()
-        with self.lock:
-            self._expire()
-            done = {r for r, hs in self.waiting.items() if not any(h in self.items for h in hs)}
-            for rid in done:
-                del self.waiting[rid]
-        return done
-
-    def __len__(self) -> int:
-        with self.lock:
-            self._expire()
-            return len(self.items)
-
-    def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes | None, Any]:
-        """``get_ec`` sends an item (then frees it); ``release`` frees it unsent."""
-        mm_hash, op = request.get("mm_hash"), request.get("op")
-        if op not in ("get_ec", "release") or not isinstance(mm_hash, str):
-            raise ValueError("expected {'op': 'get_ec' | 'release', 'mm_hash': <hex>}")
-        if not is_valid_mm_hash(mm_hash):
-            raise ValueError("mm_hash must be lower-case hex")
-        if op == "release":
-            with self.lock:
-                present = mm_hash in self.items
-                self._drop(mm_hash)
-            return {"ok": True, "released": present}, None, None
-        item = self.get(mm_hash)
-        if item is None:
-            raise KeyError(f"no encoder output {mm_hash} here (never computed, pulled or expired)")
-        header, payload = tensor_payload(item.tensor)
-
-        def on_sent() -> None:
-            with self.lock:
-                if self.items.get(mm_hash) is item:
-                    self._drop(mm_hash)
-                    self.pulled += 1
-
-        return {"ok": True, **header}, payload, on_sent
-
-
-class _Staging:
-    """The consumer's background pulls, by ``mm_hash``, with the requests waiting on each.
-
-    Shared by the two halves: the scheduler half starts pulls (``attach``), the
-    worker half takes finished ones into the encoder cache (``take``).
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.fetches: dict[str, tuple[Future[torch.Tensor | None], set[str]]] = {}
-
-    def attach(
-        self, mm_hash: str, request_id: str, start: Callable[[], Future[torch.Tensor | None]]
-    ) -> Future[torch.Tensor | None]:
-        with self.lock:
-            entry = self.fetches.get(mm_hash)
-            if entry is None:
-                entry = (start(), set())
-                self.fetches[mm_hash] = entry
-            entry[1].add(request_id)
-            return entry[0]
-
-    def take(self, mm_hash: str) -> Future[torch.Tensor | None] | None:
-        with self.lock:
-            entry = self.fetches.pop(mm_hash, None)
-        return entry[0] if entry is not None else None
-
-    def detach(self, request_id: str, hashes: set[str]) -> None:
-        with self.lock:
-            for mm_hash in hashes:
-                entry = self.fetches.get(mm_hash)
-                if entry is not None:
-                    entry[1].discard(request_id)
-                    if not entry[1]:
-                        del self.fetches[mm_hash]
-
-
-#: One store and one staging area per engine (keyed by its transfer config
-#: object, which both halves share).
-_STORES: dict[int, tuple[ECTransferConfig, _Store]] = {}
-_STAGINGS: dict[int, tuple[ECTransferConfig, _Staging]] = {}
-_STORES_LOCK = threading.Lock()
-
-
 def _settings(config: ECTransferConfig) -> Settings:
     extra = config.ec_connector_extra_config
     return Settings.from_extra(
@@ -251,30 +109,6 @@ def _settings(config: ECTransferConfig) -> Settings:
         },
         prefix="ec_connector_extra_config",
     )
-
-
-def _store_for(config: ECTransferConfig, settings: Settings) -> _Store:
-    with _STORES_LOCK:
-        entry = _STORES.get(id(config))
-        if entry is None or entry[0] is not config:
-            try:
-                entry = (config, _Store(settings))
-            except OSError as exc:
-                raise ConfigError(
-                    f"EC side channel cannot listen on {settings.host}:{settings.port}: {exc}",
-                    "ec_connector_extra_config.port",
-                ) from None
-            _STORES[id(config)] = entry
-        return entry[1]
-
-
-def _staging_for(config: ECTransferConfig) -> _Staging:
-    with _STORES_LOCK:
-        entry = _STAGINGS.get(id(config))
-        if entry is None or entry[0] is not config:
-            entry = (config, _Staging())
-            _STAGINGS[id(config)] = entry
-        return entry[1]
 
 
 def parse_peer(entry: Any, settings: Settings) -> Peer | None:
@@ -305,12 +139,12 @@ class ECSideChannelConnector(ECConnectorBase):
     def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
         super().__init__(config, role)
         self.settings = _settings(config)
-        self.store = _store_for(config, self.settings) if self.is_producer else None
+        self.store = store_for(config, self.settings) if self.is_producer else None
         self._pending: list[ECLoadSpec] = []
         self._peers: dict[str, Peer] = {}
         self._loading: dict[str, set[str]] = {}
         self._prefetched: dict[str, set[str]] = {}
-        self.staging = _staging_for(config) if self.is_consumer else None
+        self.staging = staging_for(config) if self.is_consumer else None
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- scheduler side -------------------------------------------------
