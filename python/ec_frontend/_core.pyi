@@ -30,7 +30,13 @@ class RequestError(ValueError):
     code: str
 
 class Limits:
-    """Bounds applied while parsing. All sizes are in bytes."""
+    """Bounds applied while parsing. All sizes are in bytes.
+
+    ``max_depth`` counts nested arrays and objects (the body object is level 1); values
+    above 127 act as 127. ``max_string_bytes`` applies to every string, keys included;
+    ``max_media_bytes`` to a request's decoded media together; ``max_token_ids`` to its
+    prompt token ids together. An integer literal may have at most 4300 digits.
+    """
 
     def __init__(
         self,

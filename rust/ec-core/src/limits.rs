@@ -2,8 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Hard ceiling on nesting depth, whatever [`Limits::max_depth`] says: the JSON
-/// parser refuses deeper input before it could exhaust the stack.
+/// Hard ceiling on nesting depth, whatever [`Limits::max_depth`] says. The JSON parser
+/// (and every walk over a parsed value) recurses once per level; this bound keeps that
+/// far from the stack limit of any thread, Python's included.
 pub const DEPTH_CEILING: usize = 127;
 
 /// Bounds applied while parsing one request. All sizes are in bytes.
