@@ -13,7 +13,7 @@ import pytest
 import torch
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.ec_side_channel import ECSideChannelConnector, parse_peer
-from ec_frontend.connectors.kv_side_channel import parse_remote_prefill, prompt_hash
+from ec_frontend.connectors.kv_transfer_params import parse_remote_prefill, prompt_hash
 from ec_frontend.connectors.side_channel_wire import (
     SideChannelServer,
     WireError,

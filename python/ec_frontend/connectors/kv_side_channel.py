@@ -29,7 +29,6 @@ Settings: ``kv_connector_extra_config`` keys ``host``, ``port``,
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -45,6 +44,11 @@ from ec_frontend.connectors.kv_base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVLoadResult,
+)
+from ec_frontend.connectors.kv_transfer_params import (
+    RemotePrefill,
+    parse_remote_prefill,
+    prompt_hash,
 )
 from ec_frontend.connectors.side_channel_wire import (
     SideChannelServer,
@@ -67,26 +71,6 @@ _HOST_ENV = ("KV_SIDE_CHANNEL_HOST", "VLLM_KV_SIDE_CHANNEL_HOST")
 _PORT_ENV = ("KV_SIDE_CHANNEL_PORT", "VLLM_KV_SIDE_CHANNEL_PORT")
 
 
-def prompt_hash(token_ids: list[int]) -> str:
-    """A short digest of a prompt's token ids: decode checks it is continuing the same prompt."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(",".join(map(str, token_ids)).encode())
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class RemotePrefill:
-    """Validated ``kv_transfer_params`` of a request whose prompt was computed elsewhere."""
-
-    host: str
-    port: int
-    engine_id: str
-    request_id: str
-    num_blocks: int
-    num_tokens: int
-    first_token_id: int
-
-
 @dataclass(slots=True)
 class _Load:
     request_id: str
@@ -104,35 +88,6 @@ class _Hold:
     block_ids: list[int]
     num_tokens: int
     expires: float
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def parse_remote_prefill(params: dict[str, Any], request: Request) -> RemotePrefill | str:
-    """The remote prefill ``params`` describe, or why they cannot be used for ``request``."""
-    host, port = params.get("remote_host"), _int(params.get("remote_port"))
-    engine_id, rid = params.get("remote_engine_id"), params.get("remote_request_id")
-    blocks, num_tokens = params.get("remote_block_ids"), _int(params.get("remote_num_tokens"))
-    first, delta = _int(params.get("first_token_id")), _int(params.get("mrope_position_delta"))
-    if not isinstance(host, str) or not host or port is None or not 0 < port < 65536:
-        return "remote_host / remote_port missing or invalid"
-    if not isinstance(engine_id, str) or not isinstance(rid, str) or not rid:
-        return "remote_engine_id / remote_request_id missing or invalid"
-    if not isinstance(blocks, list) or not blocks or any(_int(b) is None for b in blocks):
-        return "remote_block_ids missing or invalid"
-    if num_tokens is None or first is None or delta is None:
-        return "remote_num_tokens / first_token_id / mrope_position_delta missing or invalid"
-    if num_tokens != request.num_prompt_tokens:
-        return f"prefill computed {num_tokens} tokens; this prompt has {request.num_prompt_tokens}"
-    if params.get("prompt_hash") != prompt_hash(request.prompt_token_ids):
-        return "prompt_hash does not match this prompt"
-    if delta != request.mrope_position_delta:
-        return f"mrope_position_delta {delta} != {request.mrope_position_delta} here"
-    if first < 0:
-        return "first_token_id is negative"
-    return RemotePrefill(host, port, engine_id, rid, len(blocks), num_tokens, first)
 
 
 class _State:
