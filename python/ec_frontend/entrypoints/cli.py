@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ec_frontend.entrypoints.launcher import ServeOptions, serve
-from ec_frontend.entrypoints.proxy import add_proxy_args, run_proxy
+from ec_frontend.entrypoints.proxy_cli import add_proxy_args, run_proxy
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
 COMMANDS: dict[
