@@ -278,6 +278,9 @@ def test_error_mapping() -> None:
 def test_str_body_is_accepted() -> None:
     req = ecf.parse_request("completions", '{"prompt": "é"}')
     assert req.prompts == ["é"]
+    with pytest.raises(ecf.RequestError) as info:
+        ecf.parse_request("completions", '{"prompt": "\ud800"}')
+    assert info.value.code == "invalid_utf8"
 
 
 def test_limits_object() -> None:

@@ -19,12 +19,16 @@ use crate::errors::{to_py_err, RequestError};
 /// park the request behind another thread's switch interval).
 const DETACH_MIN_BODY_BYTES: usize = 32 * 1024;
 
-fn body_bytes<'a>(body: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+fn body_bytes<'a>(py: Python<'_>, body: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     if let Ok(b) = body.cast::<PyBytes>() {
         return Ok(b.as_bytes());
     }
     if let Ok(s) = body.cast::<PyString>() {
-        return Ok(s.to_str()?.as_bytes());
+        // A str holding lone surrogates has no UTF-8 form.
+        return s
+            .to_str()
+            .map(str::as_bytes)
+            .map_err(|_| to_py_err(py, &ec_core::RequestError::InvalidUtf8 { offset: 0 }));
     }
     Err(pyo3::exceptions::PyTypeError::new_err(
         "parse_request() body must be bytes or str",
@@ -43,7 +47,7 @@ fn parse_request(
 ) -> PyResult<PyParsedRequest> {
     let endpoint = Endpoint::from_name(endpoint).map_err(|e| to_py_err(py, &e))?;
     let limits = limits.map(|l| l.inner).unwrap_or_default();
-    let bytes = body_bytes(body)?;
+    let bytes = body_bytes(py, body)?;
     let parse = || ec_core::parse_request(endpoint, bytes, model_id, &limits);
     let parsed = if bytes.len() >= DETACH_MIN_BODY_BYTES {
         py.detach(parse)
