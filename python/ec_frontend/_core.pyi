@@ -172,7 +172,7 @@ class ParsedRequest:
         """Top-level fields that were accepted and ignored (for logging).
 
         Unknown members of a generate request's ``sampling_params`` are listed as
-        ``sampling_params.<name>``.
+        ``sampling_params.<name>``. Each name once, at most 64 names.
         """
     def to_json(self) -> str:
         """The whole parsed request as JSON (media bytes left out), for logs and tests."""

@@ -266,6 +266,10 @@ pub const GENERATE: Mask = Mask::of(&[
 /// Generate's `sampling_params` object.
 pub const GENERATE_SAMPLING: Mask = SAMPLING.union(Mask::of(&[F::ExtraArgs]));
 
+/// Most unknown field names listed per request (they are for logs; a body with a
+/// million unknown keys must not cost a million list entries or a quadratic scan).
+pub const MAX_UNKNOWN_LISTED: usize = 64;
+
 /// The known fields of one object (last occurrence wins), plus the unknown ones.
 pub struct Fields<'v, 'a> {
     slots: [Option<&'v Value<'a>>; COUNT],
@@ -273,7 +277,8 @@ pub struct Fields<'v, 'a> {
 
 impl<'v, 'a> Fields<'v, 'a> {
     /// Sorts `members` into slots; names outside `mask` are appended to `unknown`
-    /// (prefixed with `prefix` when the object is not the body itself).
+    /// (prefixed with `prefix` when the object is not the body itself), once each and
+    /// at most [`MAX_UNKNOWN_LISTED`] in all.
     pub fn gather(
         members: &'v Members<'a>,
         mask: Mask,
@@ -284,6 +289,7 @@ impl<'v, 'a> Fields<'v, 'a> {
         for (key, value) in members {
             match F::of(key) {
                 Some(f) if mask.contains(f) => slots[f as usize] = Some(value),
+                _ if unknown.len() >= MAX_UNKNOWN_LISTED => {}
                 _ => {
                     let name = prefix.key(key).render();
                     if !unknown.contains(&name) {

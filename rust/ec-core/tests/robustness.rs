@@ -144,3 +144,22 @@ fn json_parser_agrees_with_serde_json() {
         Ok(ec_core::Value::Number(ec_core::Number::Int(0)))
     );
 }
+
+/// Many unknown keys cost linear time and a bounded list.
+#[test]
+fn many_unknown_fields_are_cheap() {
+    let mut body = String::from(r#"{"messages":[{"role":"user","content":"hi"}]"#);
+    for i in 0..200_000 {
+        body.push_str(&format!(r#","k{i}":{i}"#));
+    }
+    body.push('}');
+    let started = std::time::Instant::now();
+    let r = parse_request(Endpoint::Chat, body.as_bytes(), "", &Limits::default()).expect("valid");
+    assert_eq!(r.unknown_fields.len(), 64);
+    assert_eq!(r.unknown_fields[0], "k0");
+    assert!(
+        started.elapsed().as_secs_f64() < 5.0,
+        "{:?}",
+        started.elapsed()
+    );
+}
