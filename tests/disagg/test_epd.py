@@ -252,17 +252,42 @@ def test_request_id_travels_and_proxy_reports(dep: dict[str, Proc]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "status"),
+    ("path", "body", "param"),
     [
-        (b"{not json", 400),
-        (b"[1, 2]", 400),
-        (b'{"model": "tiny", "messages": "nope"}', 400),
+        ("/v1/chat/completions", b"{not json", None),
+        ("/v1/chat/completions", b"[1, 2]", None),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": "nope"}', "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [], "ec_transfer_params": [1]}',
+            "ec_transfer_params",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [], "kv_transfer_params": "x"}',
+            "kv_transfer_params",
+        ),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "n": 2}', "n"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a", "n": 3}', "n"),
+        (
+            "/inference/v1/generate",
+            b'{"token_ids": [1], "sampling_params": [1]}',
+            "sampling_params",
+        ),
+        (
+            "/inference/v1/generate",
+            b'{"token_ids": [1], "sampling_params": {"n": 2}}',
+            "sampling_params.n",
+        ),
     ],
 )
-def test_proxy_bad_requests(dep: dict[str, Proc], body: bytes, status: int) -> None:
-    r = httpx.post(dep["E+P+D"].url + "/v1/chat/completions", content=body, timeout=30)
-    assert r.status_code == status
-    assert r.json()["error"]["message"]
+def test_proxy_bad_requests(
+    dep: dict[str, Proc], path: str, body: bytes, param: str | None
+) -> None:
+    r = httpx.post(dep["E+P+D"].url + path, content=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["message"] and error["param"] == param
 
 
 def prefill(dep: dict[str, Proc], ids: list[int]) -> dict[str, Any]:

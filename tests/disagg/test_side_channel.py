@@ -13,6 +13,8 @@ import pytest
 import torch
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.ec_side_channel import ECSideChannelConnector, parse_peer
+from ec_frontend.connectors.kv_base import KVConnectorRole
+from ec_frontend.connectors.kv_side_channel import KVSideChannelConnector
 from ec_frontend.connectors.kv_transfer_params import parse_remote_prefill, prompt_hash
 from ec_frontend.connectors.side_channel_wire import (
     SideChannelServer,
@@ -22,7 +24,7 @@ from ec_frontend.connectors.side_channel_wire import (
     tensor_payload,
 )
 from ec_frontend.connectors.transfer_settings import Settings
-from ec_frontend.engine.config import ConfigError, ECTransferConfig
+from ec_frontend.engine.config import ConfigError, ECTransferConfig, KVTransferConfig
 from ec_frontend.engine.request import Request
 from ec_frontend.engine.sampling_params import SamplingParams
 
@@ -297,3 +299,62 @@ def test_release_frees_an_item_unsent(producer: ECSideChannelConnector) -> None:
     port = producer.store.server.port
     answer = request_header("127.0.0.1", port, {"op": "release", "mm_hash": HASH}, timeout_s=2)
     assert answer["released"] is True and producer.num_items_held() == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "extra", "want"),
+    [
+        ({}, {}, ("127.0.0.1", 5501)),
+        ({"VLLM_EC_SIDE_CHANNEL_PORT": "6001"}, {}, ("127.0.0.1", 6001)),
+        (
+            {"EC_SIDE_CHANNEL_PORT": "6002", "VLLM_EC_SIDE_CHANNEL_PORT": "6001"},
+            {},
+            ("127.0.0.1", 6002),
+        ),
+        ({"VLLM_EC_SIDE_CHANNEL_HOST": "10.1.1.1"}, {}, ("10.1.1.1", 5501)),
+        ({"EC_SIDE_CHANNEL_HOST": "10.1.1.1"}, {"host": "127.0.0.9", "port": 0}, ("127.0.0.9", 0)),
+    ],
+)
+def test_ec_side_channel_address_from_env_and_config(
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    extra: dict[str, Any],
+    want: tuple[str, int],
+) -> None:
+    for name in ("EC_SIDE_CHANNEL_HOST", "EC_SIDE_CHANNEL_PORT", "VLLM_EC_SIDE_CHANNEL_HOST",
+                 "VLLM_EC_SIDE_CHANNEL_PORT"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = ECTransferConfig("ECSideChannelConnector", "ec_consumer", extra)
+    conn = ECSideChannelConnector(config, ECConnectorRole.SCHEDULER)
+    assert (conn.settings.host, conn.settings.port) == want
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, 5600),
+        ({"VLLM_KV_SIDE_CHANNEL_PORT": "7001"}, 7001),
+        ({"KV_SIDE_CHANNEL_PORT": "7002"}, 7002),
+    ],
+)
+def test_kv_side_channel_port_from_env(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: int
+) -> None:
+    for name in ("KV_SIDE_CHANNEL_PORT", "VLLM_KV_SIDE_CHANNEL_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    conn = KVSideChannelConnector(
+        KVTransferConfig("KVSideChannelConnector", "kv_consumer"), KVConnectorRole.SCHEDULER
+    )
+    assert conn.state.settings.port == want and conn.state.server is None
+
+
+def test_side_channel_port_in_use_is_a_config_error(producer: ECSideChannelConnector) -> None:
+    assert producer.store is not None
+    taken = producer.store.server.port
+    config = ECTransferConfig("ECSideChannelConnector", "ec_producer", {"port": taken})
+    with pytest.raises(ConfigError, match="cannot listen"):
+        ECSideChannelConnector(config, ECConnectorRole.SCHEDULER)

@@ -83,9 +83,25 @@ class UpstreamError(Exception):
         self.body = body
 
 
-def error_body(status: int, message: str, code: str) -> bytes:
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     kind = "invalid_request_error" if status < 500 else "upstream_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def check_body(endpoint: str, body: dict[str, Any], disaggregated: bool) -> tuple[str, str] | None:
+    """``(message, param)`` when the proxy cannot route ``body``; the instances
+    validate everything else."""
+    for key in ("ec_transfer_params", "kv_transfer_params"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            return f"{key} must be a JSON object or null", key
+    sampling = body.get("sampling_params") if endpoint == "generate" else body
+    if endpoint == "generate" and sampling is not None and not isinstance(sampling, dict):
+        return "sampling_params must be a JSON object", "sampling_params"
+    n = (sampling or {}).get("n")
+    if disaggregated and n is not None and n != 1:
+        param = "sampling_params.n" if endpoint == "generate" else "n"
+        return "n must be 1 when prefill and decode run on separate instances", param
+    return None
 
 
 def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
@@ -250,7 +266,14 @@ class Proxy:
             problem = "the body must be a JSON object"
         if not isinstance(body, dict):
             self.metrics.requests.inc((endpoint, "400"))
-            return Response(error_body(400, problem, "invalid_json"), 400, out_headers)
+            content = error_body(400, problem, "invalid_json")
+            return Response(content, 400, out_headers, "application/json")
+        problem_param = check_body(endpoint, body, bool(self.config.prefill_urls))
+        if problem_param is not None:
+            self.metrics.requests.inc((endpoint, "400"))
+            message, param = problem_param
+            content = error_body(400, message, "invalid_value", param)
+            return Response(content, 400, out_headers, "application/json")
         try:
             response = await self._route(endpoint, path, body, headers, out_headers)
         except UpstreamError as exc:
