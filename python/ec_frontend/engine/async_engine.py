@@ -136,6 +136,11 @@ class AsyncEngine:
         with self._lock:
             return self._stats
 
+    def holds_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is still taken: in flight, or finished but held by a
+        connector (KV or encoder outputs not yet pulled by another instance)."""
+        return request_id in self._sinks or request_id in self.core.scheduler.requests
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None

@@ -188,7 +188,8 @@ class Serving:
             )
 
     def _unique_id(self, rid: str) -> str:
-        while rid in self._active:
+        holds = getattr(self.engine, "holds_request", None)
+        while rid in self._active or (holds is not None and holds(rid)):
             rid = f"{rid}-{new_id()[:8]}"
         self._active.add(rid)
         return rid
