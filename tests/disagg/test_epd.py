@@ -364,3 +364,20 @@ def test_client_disconnect_mid_stream_aborts_decode(dep: dict[str, Proc]) -> Non
     assert d.metric("num_requests_running") == 0
     assert d.metric("kv_blocks_used") == 0
     assert d.metric("generation_tokens_total") - before < 900
+
+
+def test_client_request_id_reused_while_prefill_holds_its_kv(dep: dict[str, Proc]) -> None:
+    ids = [21, 22, 23, 24, 25, 26]
+    want = generate(dep["agg"].url, ids)["choices"][0]["token_ids"]
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0},
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    held = []
+    for _ in range(2):
+        r = httpx.post(dep["pd_sc"].url + "/inference/v1/generate", json=body,
+                       headers={"X-Request-Id": "same-id"}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        held.append(r.json()["kv_transfer_params"])
+    assert held[0]["remote_request_id"] != held[1]["remote_request_id"]
+    for kv in held:
+        assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
+    assert dep["pd_sc"].metric("kv_requests_held") == 0
