@@ -17,11 +17,9 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    (or, with no prefill stage, the ec params) and decode's answer, streamed or
    not, is passed back unchanged.
 
-One ``X-Request-Id`` (the client's, or a fresh one) travels to prefill and
-decode and comes back; the per-item encoder requests carry it suffixed with
-``-mm<k>`` (instances key their requests by it, and an encoder may still hold
-an earlier item of the same request until it is pulled). An error from an
-instance is passed back with its status (a client error from an encoder stops
+One ``X-Request-Id`` (the client's, or a fresh one) travels to every stage
+(each instance makes its own engine ids unique) and comes back. An error from
+an instance is passed back with its status (a client error from an encoder stops
 the request there); an instance that cannot be reached gives 502.
 ``/health`` and ``/metrics`` describe the proxy.
 """
@@ -235,13 +233,7 @@ class Proxy:
         if not parts or not self.config.encode_urls:
             return {}, False
         started = time.perf_counter()
-        rid = headers["x-request-id"]
-        results = await asyncio.gather(
-            *(
-                self._encode_one(body, p, {**headers, "x-request-id": f"{rid}-mm{k}"})
-                for k, p in enumerate(parts)
-            )
-        )
+        results = await asyncio.gather(*(self._encode_one(body, p, headers) for p in parts))
         merged: dict[str, Any] = {}
         for params in results:
             merged.update(params or {})
