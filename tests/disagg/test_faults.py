@@ -111,12 +111,12 @@ def test_encoder_killed_mid_run_requests_still_answered(dep: dict[str, Any]) -> 
         futures = [pool.submit(chat, px.url, messages("what", img)) for img in images]
         time.sleep(0.05)
         e1.kill()
-        statuses = [f.result().status_code for f in futures]
-    assert statuses == [200] * 8
+        results = [f.result() for f in futures]
+    assert [r.status_code for r in results] == [200] * 8, [r.text[:300] for r in results]
     after = [chat(px.url, messages("and now", fresh_image())) for _ in range(4)]
-    assert [r.status_code for r in after] == [200] * 4
-    assert all("x-ec-fallback" not in r.headers for r in after)
-    assert metric(px, "proxy_encoder_retries_total") >= 1
+    assert [r.status_code for r in after] == [200] * 4, [r.text[:300] for r in after]
+    assert [r.headers.get("x-ec-fallback") for r in after] == [None] * 4, px.metrics()
+    assert metric(px, "proxy_encoder_retries_total") >= 1, px.metrics()
 
 
 def test_all_encoders_down_falls_back_to_local_encode(dep: dict[str, Any]) -> None:
