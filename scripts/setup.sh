@@ -16,6 +16,13 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
 fi
 
 export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" PYO3_PYTHON="$PWD/.venv/bin/python"
-maturin develop --release -q
+log=$(mktemp)
+if ! maturin develop --release -q >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "setup: maturin develop failed" >&2
+    exit 1
+fi
+rm -f "$log"
 .venv/bin/python -c "import ec_frontend._core" \
     || { echo "setup: the native extension did not build" >&2; exit 1; }
