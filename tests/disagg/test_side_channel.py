@@ -358,3 +358,30 @@ def test_side_channel_port_in_use_is_a_config_error(producer: ECSideChannelConne
     config = ECTransferConfig("ECSideChannelConnector", "ec_producer", {"port": taken})
     with pytest.raises(ConfigError, match="cannot listen"):
         ECSideChannelConnector(config, ECConnectorRole.SCHEDULER)
+
+
+@pytest.mark.parametrize(
+    ("params", "want", "fallbacks"),
+    [
+        (None, (0, False), 0),
+        ({"do_remote_decode": True}, (0, False), 0),
+        ("valid", (5, True), 0),
+        ({"do_remote_prefill": True, "remote_host": "127.0.0.1"}, (0, False), 1),
+    ],
+    ids=["none", "prefill-side", "valid", "malformed"],
+)
+def test_decode_consumes_params_once_and_keeps_a_pending_load(
+    params: Any, want: tuple[int, bool], fallbacks: int
+) -> None:
+    ids = [1, 2, 3, 4, 5]
+    extra = {"kv_transfer_params": _remote(ids) if params == "valid" else params}
+    req = Request("r", ids, SamplingParams(max_tokens=4, extra_args=extra))
+    conn = KVSideChannelConnector(
+        KVTransferConfig("KVSideChannelConnector", "kv_consumer"), KVConnectorRole.SCHEDULER
+    )
+    assert conn.get_num_new_matched_tokens(req, 0) == want
+    # Asked again (its blocks could not be allocated): the same answer, params used once.
+    assert conn.get_num_new_matched_tokens(req, 0) == want
+    assert conn.local_prefill_fallbacks == fallbacks
+    if params is not None and params != {"do_remote_decode": True}:
+        assert req.kv_transfer_params is None

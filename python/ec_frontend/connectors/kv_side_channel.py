@@ -202,6 +202,10 @@ class KVSideChannelConnector(KVConnectorBase):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        known = self._remote.get(request.request_id)
+        if known is not None:
+            # Parsed before, but its blocks could not be allocated then: still pending.
+            return known.num_tokens - num_computed_tokens, True
         params = request.kv_transfer_params
         if not self.is_consumer or params is None or params.get("do_remote_prefill") is not True:
             return 0, False
