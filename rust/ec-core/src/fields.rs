@@ -176,6 +176,16 @@ pub fn opt_object(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<Option<Value
     }
 }
 
+/// Whether an optional object is there: absent or `null` -> `false`, an object ->
+/// `true`, anything else -> a type error.
+pub fn check_object(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<bool> {
+    match present(v) {
+        None => Ok(false),
+        Some(Value::Object(_)) => Ok(true),
+        Some(other) => Err(type_error(path, "an object", other)),
+    }
+}
+
 /// A token id: an integer in `[0, 2^31)`.
 pub fn token_id(v: &Value<'_>, path: &Path<'_>) -> Result<u32> {
     integer_in(v, path, 0, i64::from(i32::MAX)).map(|i| i as u32)

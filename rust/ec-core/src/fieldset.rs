@@ -272,7 +272,9 @@ pub const MAX_UNKNOWN_LISTED: usize = 64;
 
 /// The known fields of one object (last occurrence wins), plus the unknown ones.
 pub struct Fields<'v, 'a> {
-    slots: [Option<&'v Value<'a>>; COUNT],
+    members: &'v Members<'a>,
+    /// Index in `members` of each known field.
+    slots: [Option<usize>; COUNT],
 }
 
 impl<'v, 'a> Fields<'v, 'a> {
@@ -286,9 +288,9 @@ impl<'v, 'a> Fields<'v, 'a> {
         unknown: &mut Vec<String>,
     ) -> Self {
         let mut slots = [None; COUNT];
-        for (key, value) in members {
+        for (i, (key, _)) in members.iter().enumerate() {
             match F::of(key) {
-                Some(f) if mask.contains(f) => slots[f as usize] = Some(value),
+                Some(f) if mask.contains(f) => slots[f as usize] = Some(i),
                 _ if unknown.len() >= MAX_UNKNOWN_LISTED => {}
                 _ => {
                     let name = prefix.key(key).render();
@@ -298,11 +300,17 @@ impl<'v, 'a> Fields<'v, 'a> {
                 }
             }
         }
-        Self { slots }
+        Self { members, slots }
     }
 
     /// The field's value (`null` included; see [`crate::fields::present`]).
     pub fn raw(&self, f: F) -> Option<&'v Value<'a>> {
+        let members = self.members;
+        self.slots[f as usize].map(|i| &members[i].1)
+    }
+
+    /// Where the field's value sits in the object's members.
+    pub fn position(&self, f: F) -> Option<usize> {
         self.slots[f as usize]
     }
 

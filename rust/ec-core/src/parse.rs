@@ -3,8 +3,8 @@
 use crate::content::{chat_messages, responses_input};
 use crate::error::{RequestError, Result};
 use crate::fields::{
-    array, integer_in, missing, object, opt_bool, opt_object, opt_string, present, string,
-    token_id, type_error, value_error,
+    array, check_object, integer_in, missing, object, opt_bool, opt_object, opt_string, present,
+    string, token_id, type_error, value_error,
 };
 use crate::fieldset::{self, Fields, F};
 use crate::json::parse_body;
@@ -28,8 +28,8 @@ pub fn parse_request(
     model_id: &str,
     limits: &Limits,
 ) -> Result<ParsedRequest> {
-    let root = parse_body(body, limits)?;
-    let members = match &root {
+    let mut root = parse_body(body, limits)?;
+    let members = match &mut root {
         Value::Object(members) => members,
         other => {
             return Err(RequestError::InvalidType {
@@ -52,32 +52,27 @@ pub fn parse_request(
     req.user = opt_string(fields.raw(F::User), &ROOT.key("user"))?;
     req.request_id = opt_string(fields.raw(F::RequestId), &ROOT.key("request_id"))?;
     (req.stream, req.include_usage) = stream_flags(&fields)?;
-    let kv_transfer_params = opt_object(
-        fields.raw(F::KvTransferParams),
-        &ROOT.key("kv_transfer_params"),
-    )?;
-    let ec_transfer_params = opt_object(
-        fields.raw(F::EcTransferParams),
-        &ROOT.key("ec_transfer_params"),
-    )?;
-    req.mm_processor_kwargs = opt_object(
-        fields.raw(F::MmProcessorKwargs),
-        &ROOT.key("mm_processor_kwargs"),
-    )?;
-    req.chat_template_kwargs = opt_object(
-        fields.raw(F::ChatTemplateKwargs),
-        &ROOT.key("chat_template_kwargs"),
-    )?;
+    // The object-valued fields are checked here and moved out of the tree at the end
+    // (no copy of their containers); until then they are read in place.
+    let mut kept = [None; OBJECT_FIELDS.len()];
+    let mut keep = |slot: usize| -> Result<()> {
+        let (f, name) = OBJECT_FIELDS[slot];
+        if check_object(fields.raw(f), &ROOT.key(name))? {
+            kept[slot] = fields.position(f);
+        }
+        Ok(())
+    };
+    (0..4).try_for_each(&mut keep)?;
     req.add_generation_prompt = opt_bool(
         fields.raw(F::AddGenerationPrompt),
         &ROOT.key("add_generation_prompt"),
         true,
     )?;
     req.echo = opt_bool(fields.raw(F::Echo), &ROOT.key("echo"), false)?;
-    let xargs = opt_object(fields.raw(F::VllmXargs), &ROOT.key("vllm_xargs"))?;
+    keep(4)?;
 
-    let mut media = MediaCollector::new(limits, model_id, req.mm_processor_kwargs.as_ref());
-    let mut base_xargs = xargs;
+    let mut media = MediaCollector::new(limits, model_id, fields.get(F::MmProcessorKwargs));
+    let mut extra_args = None;
     match endpoint {
         Endpoint::Chat => {
             let p = ROOT.key("messages");
@@ -170,15 +165,7 @@ pub fn parse_request(
                     "the generate endpoint serves one sequence per request: 'n' must be 1",
                 ));
             }
-            let extra = opt_object(sfields.raw(F::ExtraArgs), &sp.key("extra_args"))?;
-            base_xargs = match (extra, base_xargs) {
-                (Some(Value::Object(mut inner)), Some(Value::Object(top))) => {
-                    inner.retain(|(k, _)| !top.iter().any(|(t, _)| t == k));
-                    inner.extend(top);
-                    Some(Value::Object(inner))
-                }
-                (extra, top) => top.or(extra),
-            };
+            extra_args = opt_object(sfields.raw(F::ExtraArgs), &sp.key("extra_args"))?;
             if let Some(v) = fields.get(F::Features) {
                 req.features = Some(features(v, &ROOT.key("features"), ids.len())?);
             }
@@ -187,12 +174,36 @@ pub fn parse_request(
     }
     req.media = media.items;
 
+    let mut take = |i: usize| {
+        kept[i].map(|at| std::mem::replace(&mut members[at].1, Value::Null).into_owned())
+    };
+    let [kv_transfer_params, ec_transfer_params, mm_processor_kwargs, chat_template_kwargs, xargs] =
+        std::array::from_fn(&mut take);
+    req.mm_processor_kwargs = mm_processor_kwargs;
+    req.chat_template_kwargs = chat_template_kwargs;
+    let base_xargs = match (extra_args, xargs) {
+        (Some(Value::Object(mut inner)), Some(Value::Object(top))) => {
+            inner.retain(|(k, _)| !top.iter().any(|(t, _)| t == k));
+            inner.extend(top);
+            Some(Value::Object(inner))
+        }
+        (extra, top) => top.or(extra),
+    };
     req.has_kv_transfer_params = kv_transfer_params.is_some();
     req.has_ec_transfer_params = ec_transfer_params.is_some();
     let merged = merge_transfer_params_owned(base_xargs, kv_transfer_params, KV_KEY);
     req.sampling.extra_args = merge_transfer_params_owned(merged, ec_transfer_params, EC_KEY);
     Ok(req)
 }
+
+/// The top-level fields kept as owned objects, in the order they are checked.
+const OBJECT_FIELDS: [(F, &str); 5] = [
+    (F::KvTransferParams, "kv_transfer_params"),
+    (F::EcTransferParams, "ec_transfer_params"),
+    (F::MmProcessorKwargs, "mm_processor_kwargs"),
+    (F::ChatTemplateKwargs, "chat_template_kwargs"),
+    (F::VllmXargs, "vllm_xargs"),
+];
 
 fn token_ids(v: &Value<'_>, path: &Path<'_>, limits: &Limits) -> Result<Vec<u32>> {
     let items = array(v, path)?;
