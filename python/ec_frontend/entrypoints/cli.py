@@ -52,6 +52,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)",
     )
     p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads when the model runs on the CPU (env: EC_FRONTEND_CPU_THREADS; "
+        "default: 1 for the built-in model, whose matrices are too small to share, "
+        "else torch's default)",
+    )
+    p.add_argument(
         "--ec-transfer-config",
         default=None,
         help='JSON, e.g. \'{"ec_connector": "ECSharedStorageConnector", "ec_role": '
@@ -112,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         device=args.device,
         dtype=args.dtype,
+        cpu_threads=args.cpu_threads,
         ec_transfer_config=args.ec_transfer_config,
         kv_transfer_config=args.kv_transfer_config,
         max_body_bytes=args.max_body_bytes,

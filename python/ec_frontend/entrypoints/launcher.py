@@ -35,6 +35,7 @@ class ServeOptions:
     max_num_seqs: int | None = None
     device: str | None = None
     dtype: str = "auto"
+    cpu_threads: int | None = None
     ec_transfer_config: str | None = None
     kv_transfer_config: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024

@@ -24,6 +24,8 @@ log = logging.getLogger("ec_frontend.server")
 #: Comma-separated modules imported before the engine starts (connector plugins
 #: call ``ec_frontend.connectors.factory.register_*_connector`` when imported).
 PLUGINS_ENV = "EC_FRONTEND_PLUGINS"
+#: Torch threads for a model on the CPU (the ``--cpu-threads`` flag wins).
+CPU_THREADS_ENV = "EC_FRONTEND_CPU_THREADS"
 
 
 def load_plugins() -> list[str]:
@@ -43,6 +45,27 @@ def _dtype(opts: ServeOptions) -> str:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def cpu_threads(opts: ServeOptions, builtin: bool) -> int | None:
+    """Torch threads for a CPU engine: the flag, else the environment, else 1 for the
+    built-in model (its matrices are so small that a second thread only adds
+    synchronisation, which on a loaded host costs more than the work), else ``None``
+    (torch's default)."""
+    if opts.cpu_threads is not None:
+        n = opts.cpu_threads
+    elif os.environ.get(CPU_THREADS_ENV, "").strip():
+        try:
+            n = int(os.environ[CPU_THREADS_ENV])
+        except ValueError:
+            raise ConfigError(f"${CPU_THREADS_ENV} must be an integer", "cpu_threads") from None
+    elif builtin:
+        n = 1
+    else:
+        return None
+    if n < 1:
+        raise ConfigError(f"--cpu-threads must be at least 1, got {n}", "cpu_threads")
+    return n
 
 
 def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
@@ -82,12 +105,25 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
     return config, str(path)
 
 
+def _builtin_id() -> str:
+    from ec_frontend.model.builtin import BUILTIN_MODEL_ID
+
+    return BUILTIN_MODEL_ID
+
+
 def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
     """``(AsyncEngine, model_id, max_model_len)``; raises ``ValueError`` on bad options."""
     from ec_frontend.engine.async_engine import AsyncEngine
 
     load_plugins()
     config, path = engine_config(opts)
+    import torch
+
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        threads = cpu_threads(opts, builtin=config.model_id == _builtin_id())
+        if threads is not None:
+            torch.set_num_threads(threads)
     log.info("loading %s (%s, %s)", path, config.device or "auto device", config.dtype)
     engine = AsyncEngine.from_config(config)
     return engine, config.model_id, config.scheduler.max_model_len
