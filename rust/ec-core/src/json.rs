@@ -43,7 +43,7 @@ pub fn parse_str<'a>(text: &'a str, limits: &Limits) -> Result<Value<'a>> {
         max_depth: limits.effective_depth(),
         max_string_bytes: limits.max_string_bytes,
         items: Vec::with_capacity(64),
-        keys: Vec::with_capacity(64),
+        members: Vec::with_capacity(64),
     };
     p.skip_ws();
     if p.pos == p.bytes.len() {
@@ -51,12 +51,12 @@ pub fn parse_str<'a>(text: &'a str, limits: &Limits) -> Result<Value<'a>> {
             message: "request body is empty: expected a JSON object".into(),
         });
     }
-    p.value(0).map_err(|e| *e)?;
+    let root = p.value(0).map_err(|e| *e)?;
     p.skip_ws();
     if p.pos != p.bytes.len() {
         return Err(*p.syntax("trailing characters after the JSON value"));
     }
-    Ok(p.items.pop().unwrap_or(Value::Null))
+    Ok(root)
 }
 
 struct Parser<'a> {
@@ -65,11 +65,11 @@ struct Parser<'a> {
     pos: usize,
     max_depth: usize,
     max_string_bytes: usize,
-    /// Values parsed so far and the keys of the objects being parsed, as stacks: every
-    /// value is built in place on `items`, and a container moves its own tail into an
-    /// exactly sized `Vec` when it closes.
+    /// The elements of the arrays and the members of the objects being parsed, as
+    /// stacks: a container moves its own tail into an exactly sized `Vec` (one copy)
+    /// when it closes.
     items: Vec<Value<'a>>,
-    keys: Vec<Cow<'a, str>>,
+    members: Vec<(Cow<'a, str>, Value<'a>)>,
 }
 
 const ONES: u64 = 0x0101_0101_0101_0101;
@@ -114,20 +114,16 @@ impl<'a> Parser<'a> {
         self.bytes.get(self.pos).copied()
     }
 
-    /// Parses one value and pushes it onto `items`.
-    fn value(&mut self, depth: usize) -> PResult<()> {
+    /// Parses one value.
+    fn value(&mut self, depth: usize) -> PResult<Value<'a>> {
         match self.peek() {
             Some(b'{') => self.object(depth + 1),
             Some(b'[') => self.array(depth + 1),
-            Some(b'"') => {
-                let s = self.string()?;
-                self.items.push(Value::String(s));
-                Ok(())
-            }
+            Some(b'"') => self.string().map(Value::String),
             Some(b't') => self.literal("true", Value::Bool(true)),
             Some(b'f') => self.literal("false", Value::Bool(false)),
             Some(b'n') => self.literal("null", Value::Null),
-            Some(b'-' | b'0'..=b'9') => self.number(),
+            Some(b'-' | b'0'..=b'9') => self.number_value(),
             Some(b'N' | b'I') => Err(self.nan_or_infinity()),
             _ => Err(self.syntax("expected a value")),
         }
@@ -142,11 +138,10 @@ impl<'a> Parser<'a> {
         })
     }
 
-    fn literal(&mut self, word: &str, value: Value<'a>) -> PResult<()> {
+    fn literal(&mut self, word: &str, value: Value<'a>) -> PResult<Value<'a>> {
         if self.bytes[self.pos..].starts_with(word.as_bytes()) {
             self.pos += word.len();
-            self.items.push(value);
-            Ok(())
+            Ok(value)
         } else {
             Err(self.syntax("expected a value"))
         }
@@ -165,19 +160,19 @@ impl<'a> Parser<'a> {
         Ok(())
     }
 
-    fn array(&mut self, depth: usize) -> PResult<()> {
+    fn array(&mut self, depth: usize) -> PResult<Value<'a>> {
         self.enter(depth)?;
         self.pos += 1;
         self.skip_ws();
         if self.peek() == Some(b']') {
             self.pos += 1;
-            self.items.push(Value::Array(Vec::new()));
-            return Ok(());
+            return Ok(Value::Array(Vec::new()));
         }
         let mark = self.items.len();
         loop {
             self.skip_ws();
-            self.value(depth)?;
+            let item = self.value(depth)?;
+            self.items.push(item);
             self.skip_ws();
             match self.peek() {
                 Some(b',') => self.pos += 1,
@@ -188,36 +183,32 @@ impl<'a> Parser<'a> {
                 _ => return Err(self.syntax("expected ',' or ']' in an array")),
             }
         }
-        let items = self.items.drain(mark..).collect();
-        self.items.push(Value::Array(items));
-        Ok(())
+        Ok(Value::Array(split_tail(&mut self.items, mark)))
     }
 
-    fn object(&mut self, depth: usize) -> PResult<()> {
+    fn object(&mut self, depth: usize) -> PResult<Value<'a>> {
         self.enter(depth)?;
         self.pos += 1;
         self.skip_ws();
         if self.peek() == Some(b'}') {
             self.pos += 1;
-            self.items.push(Value::Object(Vec::new()));
-            return Ok(());
+            return Ok(Value::Object(Vec::new()));
         }
-        let mark = self.items.len();
-        let key_mark = self.keys.len();
+        let mark = self.members.len();
         loop {
             self.skip_ws();
             if self.peek() != Some(b'"') {
                 return Err(self.syntax("expected a string key in an object"));
             }
             let key = self.string()?;
-            self.keys.push(key);
             self.skip_ws();
             if self.peek() != Some(b':') {
                 return Err(self.syntax("expected ':' after an object key"));
             }
             self.pos += 1;
             self.skip_ws();
-            self.value(depth)?;
+            let value = self.value(depth)?;
+            self.members.push((key, value));
             self.skip_ws();
             match self.peek() {
                 Some(b',') => self.pos += 1,
@@ -228,13 +219,7 @@ impl<'a> Parser<'a> {
                 _ => return Err(self.syntax("expected ',' or '}' in an object")),
             }
         }
-        let members = self
-            .keys
-            .drain(key_mark..)
-            .zip(self.items.drain(mark..))
-            .collect();
-        self.items.push(Value::Object(members));
-        Ok(())
+        Ok(Value::Object(split_tail(&mut self.members, mark)))
     }
 
     /// Index of the next `"`, `\` or control byte at or after `from`.
@@ -389,12 +374,6 @@ impl<'a> Parser<'a> {
         self.pos - start
     }
 
-    fn number(&mut self) -> PResult<()> {
-        let n = self.number_value()?;
-        self.items.push(n);
-        Ok(())
-    }
-
     fn number_value(&mut self) -> PResult<Value<'a>> {
         let start = self.pos;
         let negative = self.peek() == Some(b'-');
@@ -474,6 +453,17 @@ impl<'a> Parser<'a> {
         }
         Ok(Value::BigInt(Cow::Borrowed(literal)))
     }
+}
+
+/// The elements of `stack` from `mark` on, moved into an exactly sized `Vec` with one
+/// copy. (`split_off(0)` would hand over the stack's whole buffer instead.)
+fn split_tail<T>(stack: &mut Vec<T>, mark: usize) -> Vec<T> {
+    if mark > 0 {
+        return stack.split_off(mark);
+    }
+    let mut tail = Vec::with_capacity(stack.len());
+    tail.append(stack);
+    tail
 }
 
 /// Parser-internal results: the error boxed, so that the hot `Ok` path moves less.
