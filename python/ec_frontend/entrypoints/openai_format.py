@@ -8,7 +8,7 @@ choice's ``finish_reason``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -134,14 +134,28 @@ def stream_error(message: str) -> bytes:
     return b"data: " + error_body(500, message, None, "engine_error") + b"\n\n"
 
 
-async def chat_stream(
-    serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
+async def _stream(
+    serving: Serving,
+    ctx: RequestContext,
+    parsed: ParsedRequest,
+    jobs: list[Job],
+    ids: str,
+    object_name: str,
+    opening: list[dict[str, Any]],
+    fields: Callable[[Choice, Any], dict[str, Any]],
 ) -> AsyncIterator[bytes]:
-    """SSE chunks of a streamed chat completion, ending with ``data: [DONE]``."""
+    """SSE chunks shared by both streamed APIs, ending with ``data: [DONE]``.
+
+    ``opening`` choices are sent first, one chunk each. For every engine output
+    that carries text, logprobs or the finish, ``fields(choice, output)`` gives
+    the API-specific keys placed between ``index`` and ``finish_reason``; it is
+    called once per such output, in stream order. The finishing chunk of a
+    choice also carries its ``stop_reason`` and transfer params.
+    """
     usage_on = parsed.include_usage
     base: dict[str, Any] = {
         "id": ids,
-        "object": "chat.completion.chunk",
+        "object": object_name,
         "created": ctx.created,
         "model": ctx.model,
     }
@@ -154,15 +168,8 @@ async def chat_stream(
             obj["usage"] = None
         return sse(obj)
 
-    for j in jobs:
-        yield chunk(
-            {
-                "index": j.index,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        )
+    for choice in opening:
+        yield chunk(choice)
     seen: dict[int, Choice] = {}
     async for c, out in serving.stream(jobs, ctx.started):
         if c.error is not None:
@@ -173,11 +180,9 @@ async def chat_stream(
         finished = out.finished
         if not out.text and not finished and not out.logprobs:
             continue
-        delta = {"content": out.text} if out.text else {}
         choice = {
             "index": c.index,
-            "delta": delta,
-            "logprobs": chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs else None,
+            **fields(c, out),
             "finish_reason": c.finish_reason if finished else None,
         }
         if finished:
@@ -194,32 +199,43 @@ async def chat_stream(
     yield DONE
 
 
-async def completion_stream(
+def chat_stream(
     serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
 ) -> AsyncIterator[bytes]:
-    """SSE chunks of a streamed completion, ending with ``data: [DONE]``."""
-    usage_on = parsed.include_usage
-    base: dict[str, Any] = {
-        "id": ids,
-        "object": "text_completion",
-        "created": ctx.created,
-        "model": ctx.model,
-    }
+    """SSE chunks of a streamed chat completion, ending with ``data: [DONE]``."""
+    opening = [
+        {
+            "index": j.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for j in jobs
+    ]
 
-    def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
-        obj = {**base, "choices": [choice]}
-        if extra:
-            obj.update(extra)
-        if usage_on:
-            obj["usage"] = None
-        return sse(obj)
+    def fields(c: Choice, out: Any) -> dict[str, Any]:
+        return {
+            "delta": {"content": out.text} if out.text else {},
+            "logprobs": chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs else None,
+        }
 
+    return _stream(serving, ctx, parsed, jobs, ids, "chat.completion.chunk", opening, fields)
+
+
+def completion_stream(
+    serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
+) -> AsyncIterator[bytes]:
+    """SSE chunks of a streamed completion, ending with ``data: [DONE]``.
+
+    With ``echo`` each prompt opens its choice, and logprob text offsets count from its end.
+    """
     offsets = {j.index: 0 for j in jobs}
+    opening: list[dict[str, Any]] = []
     if parsed.echo:
         for j in jobs:
             if j.prompt_text:
                 offsets[j.index] = len(j.prompt_text)
-                yield chunk(
+                opening.append(
                     {
                         "index": j.index,
                         "text": j.prompt_text,
@@ -227,35 +243,12 @@ async def completion_stream(
                         "finish_reason": None,
                     }
                 )
-    seen: dict[int, Choice] = {}
-    async for c, out in serving.stream(jobs, ctx.started):
-        if c.error is not None:
-            yield stream_error(c.error)
-            yield DONE
-            return
-        seen[c.index] = c
-        finished = out.finished
-        if not out.text and not finished and not out.logprobs:
-            continue
+
+    def fields(c: Choice, out: Any) -> dict[str, Any]:
         logprobs = None
         if out.logprobs:
             logprobs = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[c.index])
         offsets[c.index] += len(out.text)
-        choice = {
-            "index": c.index,
-            "text": out.text,
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason if finished else None,
-        }
-        if finished:
-            choice["stop_reason"] = c.stop_reason
-            params = {
-                "kv_transfer_params": c.kv_transfer_params,
-                "ec_transfer_params": c.ec_transfer_params,
-            }
-            yield chunk(choice, params)
-        else:
-            yield chunk(choice)
-    if usage_on:
-        yield sse({**base, "choices": [], "usage": usage(list(seen.values()))})
-    yield DONE
+        return {"text": out.text, "logprobs": logprobs}
+
+    return _stream(serving, ctx, parsed, jobs, ids, "text_completion", opening, fields)
