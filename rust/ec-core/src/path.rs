@@ -1,6 +1,6 @@
 //! Parameter paths, built on the stack and rendered only when an error needs one.
 
-use std::fmt::{self, Write};
+use std::fmt;
 
 /// A location in the request body: `messages[2].content[0].image_url.url`.
 #[derive(Clone, Copy)]
@@ -26,7 +26,7 @@ impl<'a> Path<'a> {
 
     /// The rendered path (`""` for the root).
     pub fn render(&self) -> String {
-        let mut out = String::new();
+        let mut out = String::with_capacity(48);
         self.write_into(&mut out);
         out
     }
@@ -43,9 +43,29 @@ impl<'a> Path<'a> {
             }
             Path::Index(parent, index) => {
                 parent.write_into(out);
-                let _ = write!(out, "[{index}]");
+                out.push('[');
+                push_decimal(out, *index);
+                out.push(']');
             }
         }
+    }
+}
+
+/// Appends `n` in decimal (without going through the formatting machinery: paths are
+/// rendered on the success path too, for every media item).
+fn push_decimal(out: &mut String, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[i..] {
+        out.push(char::from(d));
     }
 }
 
@@ -63,3 +83,26 @@ impl fmt::Debug for Path<'_> {
 
 /// The body itself, as a `'static` path to build others on.
 pub const ROOT: Path<'static> = Path::Root;
+
+#[cfg(test)]
+mod tests {
+    use super::ROOT;
+
+    #[test]
+    fn renders_keys_and_indices() {
+        let messages = ROOT.key("messages");
+        let cases: [(usize, &str); 4] = [
+            (0, "messages[0].content"),
+            (9, "messages[9].content"),
+            (10, "messages[10].content"),
+            (1_234_567, "messages[1234567].content"),
+        ];
+        for (index, want) in cases {
+            let m = messages.index(index);
+            assert_eq!(m.key("content").render(), want);
+        }
+        assert_eq!(ROOT.render(), "");
+        let nested = ROOT.index(3);
+        assert_eq!(nested.index(42).render(), "[3][42]");
+    }
+}
