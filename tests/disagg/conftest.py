@@ -1,7 +1,8 @@
 """Real ``ec-frontend serve`` / ``ec-frontend proxy`` processes on loopback.
 
-A :class:`Proc` runs one subcommand on a free port and waits for ``/health``.
-Deployments are built from these in module fixtures, so the model loads once
+:func:`serve` and :func:`proxy` start one subcommand each as a ``Proc`` of
+``tests/helpers/processes.py``, which runs it on a free port and waits for
+``/health``. Deployments are built from these in module fixtures, so the model loads once
 per instance per test module.
 """
 
@@ -10,82 +11,15 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-from ec_frontend.metrics import parse_text
 from PIL import Image
 
-STARTUP_TIMEOUT_S = 180.0
+from ..helpers.processes import Proc
+
 MODEL_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Proc:
-    """One ``ec-frontend`` process (``serve`` or ``proxy``); its log goes to a temp file."""
-
-    def __init__(self, command: str, args: Sequence[str], name: str) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", command]
-        cmd += ["--port", str(self.port), "--log-level", "warning", *args]
-        fd, self.logpath = tempfile.mkstemp(prefix=f"ec-{name}-", suffix=".log")
-        self.logfile = os.fdopen(fd, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.logfile, stderr=subprocess.STDOUT)
-
-    def wait_ready(self) -> Proc:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"{self.name} did not become healthy in time:\n{self.log()}")
-
-    def log(self) -> str:
-        return Path(self.logpath).read_text(errors="replace")[-4000:]
-
-    def metrics(self) -> dict[str, float]:
-        return parse_text(httpx.get(self.url + "/metrics", timeout=10.0).text)
-
-    def metric(self, name: str) -> float:
-        return self.metrics().get("ec_frontend_" + name, 0.0)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.logfile.close()
-        os.unlink(self.logpath)
-        return int(self.proc.returncode)
 
 
 def serve(
@@ -120,18 +54,6 @@ def proxy(
         args += ["--prefill", *prefill]
     args += ["--decode", *decode, *extra]
     return Proc("proxy", args, name)
-
-
-def start_all(procs: Sequence[Proc]) -> list[Proc]:
-    """Wait for processes started together (they load in parallel)."""
-    try:
-        for p in procs:
-            p.wait_ready()
-    except Exception:
-        for p in procs:
-            p.kill()
-        raise
-    return list(procs)
 
 
 def side_channel_ec(role: str, **extra: Any) -> dict[str, Any]:

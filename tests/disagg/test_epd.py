@@ -25,9 +25,9 @@ import httpx
 import openai
 import pytest
 
+from ..helpers.processes import Proc, start_all
 from .conftest import (
     MODEL_NAME,
-    Proc,
     messages,
     png_data_url,
     proxy,
@@ -35,7 +35,6 @@ from .conftest import (
     shared_storage_ec,
     side_channel_ec,
     side_channel_kv,
-    start_all,
 )
 
 pytestmark = pytest.mark.slow

@@ -22,10 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
+from ..helpers.processes import Proc, free_port, start_all
 from .conftest import (
     MODEL_NAME,
-    Proc,
-    free_port,
     messages,
     png_data_url,
     proxy,
@@ -33,7 +32,6 @@ from .conftest import (
     shared_storage_ec,
     side_channel_ec,
     side_channel_kv,
-    start_all,
 )
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,117 @@
+"""Real ``ec-frontend`` processes on loopback, shared by the server and disagg tests.
+
+A :class:`Proc` runs one CLI subcommand (``serve`` or ``proxy``) on a free
+127.0.0.1 port with its output in a temporary file. Starting and waiting are
+separate, so several processes can load in parallel; :meth:`Proc.wait_ready`
+polls ``/health`` until it answers 200 and raises (with the process's output)
+if the process exits or does not become healthy in time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import httpx
+from ec_frontend.metrics import PREFIX, parse_text
+
+STARTUP_TIMEOUT_S = 180.0
+LOG_TAIL_CHARS = 4000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """One ``ec-frontend`` process; :meth:`stop` sends SIGTERM and returns its exit code.
+
+    ``program`` replaces the ``python -m ec_frontend.entrypoints.cli`` prefix (an
+    installed console script, say); ``env`` is added to this process's environment.
+    """
+
+    def __init__(
+        self,
+        command: str,
+        args: Sequence[str],
+        name: str,
+        *,
+        env: dict[str, str] | None = None,
+        program: Sequence[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*(program or (sys.executable, "-m", "ec_frontend.entrypoints.cli")), command]
+        cmd += ["--port", str(self.port), "--log-level", "warning", *args]
+        self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.logfile, stderr=subprocess.STDOUT, env=full_env
+        )
+
+    def wait_ready(self) -> Proc:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"{self.name} did not become healthy in time:\n{self.log()}")
+
+    def output(self) -> str:
+        """Everything the process printed so far."""
+        self.logfile.seek(0)
+        return self.logfile.read().decode(errors="replace")
+
+    def log(self) -> str:
+        """The tail of :meth:`output`, for error messages."""
+        return self.output()[-LOG_TAIL_CHARS:]
+
+    def metrics(self) -> dict[str, float]:
+        return parse_text(httpx.get(self.url + "/metrics", timeout=10.0).text)
+
+    def metric(self, name: str) -> float:
+        """One unlabelled ``ec_frontend_<name>`` value (0 when absent)."""
+        return self.metrics().get(PREFIX + name, 0.0)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, and return the exit code (killing it if it hangs)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.logfile.close()
+        return int(self.proc.returncode)
+
+
+def start_all(procs: Sequence[Proc]) -> list[Proc]:
+    """Wait for processes started together (they load in parallel); kill all if one fails."""
+    try:
+        for p in procs:
+            p.wait_ready()
+    except Exception:
+        for p in procs:
+            p.kill()
+        raise
+    return list(procs)
