@@ -13,6 +13,7 @@ import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -90,3 +91,16 @@ def png_data_url(size: int = 56, color: tuple[int, int, int] = (200, 30, 40)) ->
     buf = io.BytesIO()
     Image.new("RGB", (size, size), color).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def responses_image_input(text: str, image_url: str) -> list[dict[str, Any]]:
+    """A Responses API ``input``: one user message with a text part and an image part."""
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": text},
+                {"type": "input_image", "image_url": image_url, "detail": "auto"},
+            ],
+        }
+    ]

@@ -18,7 +18,7 @@ import orjson
 import pytest
 from ec_frontend.model.loader import load_processor
 
-from .conftest import MODEL_NAME, ServerProcess, png_data_url
+from .conftest import MODEL_NAME, ServerProcess, png_data_url, responses_image_input
 
 pytestmark = pytest.mark.slow
 
@@ -126,15 +126,7 @@ def test_completions_stream_and_logprobs(client: openai.OpenAI) -> None:
 def test_responses(client: openai.OpenAI) -> None:
     r = client.responses.create(
         model=MODEL_NAME,
-        input=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_text", "text": "what is this"},
-                    {"type": "input_image", "image_url": png_data_url(56), "detail": "auto"},
-                ],
-            }
-        ],
+        input=responses_image_input("what is this", png_data_url(56)),
         max_output_tokens=6,
         temperature=0,
         extra_body={"kv_transfer_params": {}},

@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from .conftest import API_KEY, MOCK_MODEL, ServerProcess, png_data_url
+from .conftest import API_KEY, MOCK_MODEL, ServerProcess, png_data_url, responses_image_input
 
 pytestmark = pytest.mark.slow
 
@@ -210,15 +210,7 @@ def test_responses_nonstream(client: openai.OpenAI) -> None:
 def test_responses_image_item(client: openai.OpenAI) -> None:
     r = client.responses.create(
         model=MOCK_MODEL,
-        input=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "input_text", "text": "see "},
-                    {"type": "input_image", "image_url": png_data_url(), "detail": "auto"},
-                ],
-            }
-        ],
+        input=responses_image_input("see ", png_data_url()),
         max_output_tokens=5,
         temperature=0,
     )
