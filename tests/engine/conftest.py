@@ -192,12 +192,21 @@ def chat_inputs(processor: InputProcessor, text: str, images: Sequence[Media]) -
     return processor.process_chat([{"role": "user", "content": content}], list(images))
 
 
-def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, RequestOutput]:
-    """Step until idle; the accumulated output of every request."""
+def run_to_completion(
+    core: EngineCore,
+    max_steps: int = 10_000,
+    before_step: Callable[[int], object] | None = None,
+) -> dict[str, RequestOutput]:
+    """Step until idle; the accumulated output of every request.
+
+    ``before_step(i)`` runs before step ``i`` (counted from 0) while work remains.
+    """
     results: dict[str, RequestOutput] = {}
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if not core.has_work():
             return results
+        if before_step is not None:
+            before_step(step)
         for out in core.step():
             if out.request_id in results:
                 results[out.request_id].add(out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.shared_storage import ECSharedStorageConnector
 from ec_frontend.engine.config import ECTransferConfig
 from ec_frontend.engine.core import EngineCore
+from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -26,6 +28,20 @@ def storage(path: Path, role: str) -> dict[str, Any]:
         "ec_role": role,
         "ec_connector_extra_config": {"shared_storage_path": str(path)},
     }
+
+
+def reference_and_produced(
+    make_engine: Any, h: Any, inputs: Any, params: Callable[[], SamplingParams], tmp_path: Path
+) -> tuple[RequestOutput, RequestOutput]:
+    """Run ``inputs`` as request ``"r"`` on an aggregated engine (the reference) and on an
+    EC producer that saves its encoder outputs under ``tmp_path``; both finished outputs."""
+    agg, _ = make_engine()
+    agg.add_request("r", inputs, params())
+    want = h.run_to_completion(agg)["r"]
+    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
+    enc.add_request("r", inputs, params())
+    produced = h.run_to_completion(enc)["r"]
+    return want, produced
 
 
 def test_same_image_twice_is_encoded_once(make_engine: Any, processor: Any, h: Any,
@@ -112,13 +128,8 @@ def test_aggregated_and_disaggregated_agree(
     images = [h.image_media(30 + i) for i in range(num_images)]
     inputs = h.chat_inputs(processor, text, images)
 
-    agg, _ = make_engine()
-    agg.add_request("r", inputs, greedy(10))
-    want = h.run_to_completion(agg)["r"]
-
-    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
-    enc.add_request("r", inputs, greedy(10))
-    ec_params = h.run_to_completion(enc)["r"].ec_transfer_params
+    want, produced = reference_and_produced(make_engine, h, inputs, lambda: greedy(10), tmp_path)
+    ec_params = produced.ec_transfer_params
 
     pd, pd_model = make_engine(ec=storage(tmp_path, "ec_consumer"))
     pd.add_request("r", inputs, greedy(10, extra_args={"ec_transfer_params": ec_params}))
@@ -137,12 +148,7 @@ def test_consumer_without_pixels_loads_from_storage(
     make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
 ) -> None:
     inputs = h.chat_inputs(processor, "look", [h.image_media(40)])
-    agg, _ = make_engine()
-    agg.add_request("r", inputs, greedy())
-    want = h.run_to_completion(agg)["r"].token_ids
-    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
-    enc.add_request("r", inputs, greedy())
-    h.run_to_completion(enc)
+    want = reference_and_produced(make_engine, h, inputs, greedy, tmp_path)[0].token_ids
     feats = inputs.mm_features
     generate = processor.process_generate(
         inputs.prompt_token_ids,
@@ -163,12 +169,7 @@ def test_corrupt_file_falls_back_to_local_encoding(
 ) -> None:
     img = h.image_media(50)
     inputs = h.chat_inputs(processor, "look", [img])
-    agg, _ = make_engine()
-    agg.add_request("r", inputs, greedy())
-    want = h.run_to_completion(agg)["r"].token_ids
-    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
-    enc.add_request("r", inputs, greedy())
-    h.run_to_completion(enc)
+    want = reference_and_produced(make_engine, h, inputs, greedy, tmp_path)[0].token_ids
     path = tmp_path / f"{img.mm_hash}.safetensors"
     path.write_bytes(path.read_bytes()[:100])
 
@@ -203,20 +204,15 @@ class SlowLoadConnector(ECSharedStorageConnector):
 
 
 def test_slow_consumer_load_completes_before_embeddings_are_gathered(
-    make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+    make_engine: Any, vlm: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
 ) -> None:
     inputs = h.chat_inputs(processor, "look", [h.image_media(60)])
-    agg, _ = make_engine()
-    agg.add_request("r", inputs, greedy())
-    want = h.run_to_completion(agg)["r"].token_ids
-    enc, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
-    enc.add_request("r", inputs, greedy())
-    h.run_to_completion(enc)
+    want = reference_and_produced(make_engine, h, inputs, greedy, tmp_path)[0].token_ids
 
     config = ECTransferConfig.from_json(storage(tmp_path, "ec_consumer"))
     sched_side = SlowLoadConnector(config, ECConnectorRole.SCHEDULER)
     worker_side = SlowLoadConnector(config, ECConnectorRole.WORKER)
-    model = h.CountingModel(agg.model.inner)
+    model = h.CountingModel(vlm)
     gathered_at: list[float] = []
     model.on_forward = lambda: gathered_at.append(time.monotonic())
     pd = EngineCore(
@@ -421,18 +417,12 @@ def test_randomized_load_under_pressure_matches_a_roomy_run(
     def run(core: EngineCore, abort: bool) -> dict[str, Any]:
         for rid, inputs, n in requests:
             core.add_request(rid, inputs, greedy(n))
-        results: dict[str, Any] = {}
-        for step in range(2000):
-            if not core.has_work():
-                return results
-            if abort and step == 5:
+
+        def abort_at_step_5(step: int) -> None:
+            if step == 5:
                 core.abort(sorted(aborted))
-            for out in core.step():
-                if out.request_id in results:
-                    results[out.request_id].add(out)
-                else:
-                    results[out.request_id] = out
-        raise AssertionError("did not finish")
+
+        return h.run_to_completion(core, 2000, abort_at_step_5 if abort else None)
 
     roomy, _ = make_engine()
     want = run(roomy, abort=False)
