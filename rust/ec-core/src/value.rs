@@ -112,7 +112,7 @@ impl<'a> Value<'a> {
     /// duplicates resolved to the last, integers in decimal, floats in Rust's shortest
     /// round-trip form. Equal data gives equal bytes on every instance.
     pub fn canonical_json(&self) -> String {
-        let mut out = String::new();
+        let mut out = String::with_capacity(64);
         self.write_canonical(&mut out);
         out
     }
@@ -122,11 +122,12 @@ impl<'a> Value<'a> {
             Value::Null => out.push_str("null"),
             Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
             Value::Number(Number::Int(i)) => {
-                let _ = write!(out, "{i}");
+                if *i < 0 {
+                    out.push('-');
+                }
+                push_decimal(out, i.unsigned_abs());
             }
-            Value::Number(Number::UInt(u)) => {
-                let _ = write!(out, "{u}");
-            }
+            Value::Number(Number::UInt(u)) => push_decimal(out, *u),
             Value::Number(Number::Float(f)) => {
                 let _ = write!(out, "{f:?}");
             }
@@ -163,6 +164,23 @@ impl<'a> Value<'a> {
                 out.push('}');
             }
         }
+    }
+}
+
+/// Appends `n` in decimal, as `write!("{n}")` would, without the formatting machinery.
+fn push_decimal(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[i..] {
+        out.push(char::from(d));
     }
 }
 
@@ -213,6 +231,24 @@ impl Serialize for Value<'_> {
                 }
                 map.end()
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Number, Value};
+
+    #[test]
+    fn canonical_integers_match_their_decimal_form() {
+        let ints = [0, 7, -7, 10, -10, 1234567890, i64::MAX, i64::MIN];
+        for i in ints {
+            let v = Value::Number(Number::Int(i));
+            assert_eq!(v.canonical_json(), i.to_string());
+        }
+        for u in [i64::MAX as u64 + 1, u64::MAX] {
+            let v = Value::Number(Number::UInt(u));
+            assert_eq!(v.canonical_json(), u.to_string());
         }
     }
 }
