@@ -57,6 +57,14 @@ class KVConnectorBase(ABC):
         self.role = role
         self._metadata: KVConnectorMetadata | None = None
 
+    @property
+    def is_producer(self) -> bool:
+        return self.config is not None and self.config.is_producer
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.config is not None and self.config.is_consumer
+
     # ---- scheduler side -------------------------------------------------
 
     @abstractmethod

@@ -189,14 +189,6 @@ class KVSideChannelConnector(KVConnectorBase):
         self._recving: set[str] = set()
         self.local_prefill_fallbacks = 0
 
-    @property
-    def is_producer(self) -> bool:
-        return self.config is not None and self.config.is_producer
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.config is not None and self.config.is_consumer
-
     # ---- scheduler side -------------------------------------------------
 
     def get_num_new_matched_tokens(
