@@ -179,12 +179,17 @@ def render_engine_stats(stats: Any) -> Iterable[str]:
         yield f"{name} {_fmt(value)}"
 
 
+def exposition(lines: Iterable[str]) -> str:
+    """Exposition text from rendered lines: each ends with a newline, the last one too."""
+    return "\n".join(lines) + "\n"
+
+
 def render(server: ServerMetrics, engine_stats: Any | None) -> str:
     """The full exposition text for ``/metrics``."""
     lines = list(server.render())
     if engine_stats is not None:
         lines.extend(render_engine_stats(engine_stats))
-    return "\n".join(lines) + "\n"
+    return exposition(lines)
 
 
 def parse_text(text: str) -> dict[str, float]:

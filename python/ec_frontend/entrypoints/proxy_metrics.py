@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ec_frontend.metrics import PREFIX, Counter, Histogram
+from ec_frontend.metrics import PREFIX, Counter, Histogram, exposition
 
 
 class ProxyMetrics:
@@ -45,8 +45,7 @@ class ProxyMetrics:
         )
 
     def render(self) -> bytes:
-        lines: list[str] = []
-        for metric in (
+        metrics: tuple[Counter | Histogram, ...] = (
             self.requests,
             self.encoder_requests,
             self.encoder_retries,
@@ -55,6 +54,5 @@ class ProxyMetrics:
             self.encode_seconds,
             self.prefill_seconds,
             self.decode_first_byte_seconds,
-        ):
-            lines.extend(metric.render())
-        return ("\n".join(lines) + "\n").encode()
+        )
+        return exposition(line for metric in metrics for line in metric.render()).encode()
