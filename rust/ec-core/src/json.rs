@@ -75,7 +75,7 @@ struct Parser<'a> {
 const ONES: u64 = 0x0101_0101_0101_0101;
 const HIGHS: u64 = 0x8080_8080_8080_8080;
 
-/// The high bit of each byte of `w` (little-endian) that is `"`, `\\` or below 0x20,
+/// The high bit of each byte of `w` (little-endian) that is `"`, `\` or below 0x20,
 /// with one caveat: a byte above a flagged one may be flagged too (a borrow runs
 /// upwards), so only the lowest flag is exact, which is all a scan needs.
 #[inline]
