@@ -2,7 +2,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use ec_core::{Endpoint, Features, Message, Part, Prompt, SamplingParams};
+use ec_core::{Endpoint, Features, Message, Part, Prompt, Role, SamplingParams};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
@@ -262,10 +262,18 @@ fn sampling_to_py<'py>(py: Python<'py>, s: &SamplingParams) -> PyResult<Bound<'p
     Ok(d)
 }
 
+fn role_to_py(py: Python<'_>, role: Role) -> &Bound<'_, PyString> {
+    match role {
+        Role::System => intern!(py, "system"),
+        Role::User => intern!(py, "user"),
+        Role::Assistant => intern!(py, "assistant"),
+    }
+}
+
 fn messages_to_py<'py>(py: Python<'py>, messages: &[Message]) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(py);
+    let mut out = Vec::with_capacity(messages.len());
     for m in messages {
-        let parts = PyList::empty(py);
+        let mut parts = Vec::with_capacity(m.content.len());
         for part in &m.content {
             let p = PyDict::new(py);
             match part {
@@ -278,14 +286,14 @@ fn messages_to_py<'py>(py: Python<'py>, messages: &[Message]) -> PyResult<Bound<
                     p.set_item(intern!(py, "media_index"), *media_index)?;
                 }
             }
-            parts.append(p)?;
+            parts.push(p);
         }
         let msg = PyDict::new(py);
-        msg.set_item(intern!(py, "role"), m.role.as_str())?;
-        msg.set_item(intern!(py, "content"), parts)?;
-        out.append(msg)?;
+        msg.set_item(intern!(py, "role"), role_to_py(py, m.role))?;
+        msg.set_item(intern!(py, "content"), PyList::new(py, parts)?)?;
+        out.push(msg);
     }
-    Ok(out)
+    PyList::new(py, out)
 }
 
 fn features_to_py<'py>(py: Python<'py>, f: &Features) -> PyResult<Bound<'py, PyDict>> {

@@ -17,11 +17,12 @@ pub fn value_to_py<'py>(py: Python<'py>, v: &Value<'_>) -> PyResult<Bound<'py, P
         Value::BigInt(digits) => py.get_type::<PyInt>().call1((digits.as_ref(),))?,
         Value::String(s) => PyString::new(py, s).into_any(),
         Value::Array(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(value_to_py(py, item)?)?;
-            }
-            list.into_any()
+            // Built at its final size (appending grows the list step by step).
+            let items = items
+                .iter()
+                .map(|item| value_to_py(py, item))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any()
         }
         Value::Object(members) => object_to_py(py, members)?.into_any(),
     })
