@@ -69,27 +69,38 @@ pub fn chat_messages(
         let content = match present(m.get("content")) {
             None if role == Role::Assistant => Vec::new(),
             None => return Err(missing(&cp)),
-            Some(Value::String(s)) => vec![Part::Text {
-                text: s.to_string(),
-            }],
-            Some(Value::Array(parts)) => {
-                let mut content = Vec::with_capacity(parts.len());
-                for (j, part) in parts.iter().enumerate() {
-                    content.push(chat_part(part, &cp.index(j), media)?);
-                }
-                content
-            }
-            Some(other) => {
-                return Err(type_error(
-                    &cp,
-                    "a string or an array of content parts",
-                    other,
-                ))
-            }
+            Some(v) => content_parts(v, &cp, media, chat_part)?,
         };
         out.push(Message { role, content });
     }
     Ok(out)
+}
+
+/// A message's `content`: a string (one text part) or an array of parts, each read by
+/// `part` (the chat and the responses APIs name their part types differently).
+fn content_parts(
+    v: &Value<'_>,
+    path: &Path<'_>,
+    media: &mut MediaCollector<'_>,
+    part: fn(&Value<'_>, &Path<'_>, &mut MediaCollector<'_>) -> Result<Part>,
+) -> Result<Vec<Part>> {
+    match v {
+        Value::String(s) => Ok(vec![Part::Text {
+            text: s.to_string(),
+        }]),
+        Value::Array(parts) => {
+            let mut content = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                content.push(part(p, &path.index(j), media)?);
+            }
+            Ok(content)
+        }
+        other => Err(type_error(
+            path,
+            "a string or an array of content parts",
+            other,
+        )),
+    }
 }
 
 fn chat_part(part: &Value<'_>, path: &Path<'_>, media: &mut MediaCollector<'_>) -> Result<Part> {
@@ -202,23 +213,7 @@ fn responses_item(
     let cp = path.key("content");
     let content = match present(item.get("content")) {
         None => return Err(missing(&cp)),
-        Some(Value::String(s)) => vec![Part::Text {
-            text: s.to_string(),
-        }],
-        Some(Value::Array(parts)) => {
-            let mut content = Vec::with_capacity(parts.len());
-            for (j, part) in parts.iter().enumerate() {
-                content.push(responses_part(part, &cp.index(j), media)?);
-            }
-            content
-        }
-        Some(other) => {
-            return Err(type_error(
-                &cp,
-                "a string or an array of content parts",
-                other,
-            ))
-        }
+        Some(v) => content_parts(v, &cp, media, responses_part)?,
     };
     Ok(Message { role, content })
 }

@@ -44,16 +44,17 @@ impl<'a> Path<'a> {
             Path::Index(parent, index) => {
                 parent.write_into(out);
                 out.push('[');
-                push_decimal(out, *index);
+                push_decimal(out, *index as u64);
                 out.push(']');
             }
         }
     }
 }
 
-/// Appends `n` in decimal (without going through the formatting machinery: paths are
-/// rendered on the success path too, for every media item).
-fn push_decimal(out: &mut String, mut n: usize) {
+/// Appends `n` in decimal, as `write!("{n}")` would, without the formatting machinery
+/// (paths are rendered on the success path too, for every media item, and so are the
+/// integers of canonical JSON).
+pub(crate) fn push_decimal(out: &mut String, mut n: u64) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     loop {

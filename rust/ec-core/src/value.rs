@@ -9,6 +9,8 @@ use std::fmt::Write;
 use serde::ser::{SerializeMap, SerializeSeq};
 use serde::{Serialize, Serializer};
 
+use crate::path::push_decimal;
+
 /// A JSON number.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Number {
@@ -164,23 +166,6 @@ impl<'a> Value<'a> {
                 out.push('}');
             }
         }
-    }
-}
-
-/// Appends `n` in decimal, as `write!("{n}")` would, without the formatting machinery.
-fn push_decimal(out: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for &d in &digits[i..] {
-        out.push(char::from(d));
     }
 }
 
