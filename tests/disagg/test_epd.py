@@ -200,8 +200,8 @@ def test_nothing_recomputed(
         assert delta(decode, "prompt_tokens_computed_total") <= 2
         assert delta(decode, "kv_tokens_received_total") == prompts
         assert delta(consumer, "kv_tokens_sent_total") == prompts
-        assert dep[consumer].metric("kv_requests_held") == 0
-    assert dep[encoder].metric("ec_items_held") == 0
+        assert dep[consumer].settled_metric("kv_requests_held", 0) == 0
+    assert dep[encoder].settled_metric("ec_items_held", 0) == 0
 
 
 def generate(url: str, token_ids: list[int], **extra: Any) -> dict[str, Any]:
@@ -311,7 +311,7 @@ def test_params_are_consumed_once_and_prefill_frees_after_the_pull(dep: dict[str
     want = generate(dep["agg"].url, ids)["choices"][0]["token_ids"]
     kv = prefill(dep, ids)
     assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
-    assert dep["pd_sc"].metric("kv_requests_held") == 0
+    assert dep["pd_sc"].settled_metric("kv_requests_held", 0) == 0
     body = {
         "token_ids": ids,
         "sampling_params": {"max_tokens": 8, "temperature": 0},

@@ -259,6 +259,11 @@ def test_store_serves_once_then_frees(producer: ECSideChannelConnector) -> None:
     producer.save_caches(cache, HASH)
     assert producer.num_items_held() == 1
     assert torch.equal(_get(producer, HASH), cache[HASH])
+    # The producer frees the item once its bytes are out, which its serving thread
+    # notes after the last send returns: possibly just after the client has read them.
+    deadline = time.monotonic() + 2.0
+    while producer.num_items_held() and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert producer.num_items_held() == 0
     with pytest.raises(WireError, match="no encoder output"):
         _get(producer, HASH)

@@ -88,6 +88,19 @@ class Proc:
         """One unlabelled ``ec_frontend_<name>`` value (0 when absent)."""
         return self.metrics().get(PREFIX + name, 0.0)
 
+    def settled_metric(self, name: str, expected: float, timeout_s: float = 5.0) -> float:
+        """:meth:`metric` once it equals ``expected`` or ``timeout_s`` has passed.
+
+        For gauges that an instance updates just after it has answered (an item is
+        freed once its bytes have been sent, which the client may see first).
+        """
+        deadline = time.monotonic() + timeout_s
+        value = self.metric(name)
+        while value != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+            value = self.metric(name)
+        return value
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
