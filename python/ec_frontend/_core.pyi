@@ -3,7 +3,7 @@
 Every request body passes through :func:`parse_request`. It parses the raw
 bytes, validates them (typed errors naming the parameter path), merges
 ``kv_transfer_params`` / ``ec_transfer_params`` into ``vllm_xargs``, decodes
-inline media and hashes each item. The GIL is released while a body of 32 KiB
+inline media and gives each item its key (``mm_hash``). The GIL is released while a body of 32 KiB
 or more is parsed (a smaller one parses in microseconds, less than a GIL hand-off).
 """
 
@@ -79,14 +79,15 @@ class MediaItem:
     def uuid(self) -> str | None: ...
     @property
     def mm_hash(self) -> str:
-        """Lower-case hex.
+        """The item's key: lower-case hex, 64 characters.
 
-        Without ``uuid``: the content hash (:func:`compute_mm_hash`) of an inline
-        item, or for a URL reference a blake3 hash of the URL (with the model id and
-        processor kwargs, under its own domain tag). With a ``uuid`` that is already
-        lower-case hex (at most 128 characters): the uuid itself. Any other ``uuid``
-        (1 to 512 bytes): a blake3 hash of it, so the same uuid names the same item
-        on every instance.
+        blake3 over the kind of key, the model id, the processor kwargs, the request's
+        ``cache_salt`` and the item: without ``uuid`` its decoded bytes
+        (:func:`compute_mm_hash`) or, for a URL reference, the URL; with a ``uuid``
+        (1 to 512 bytes) the uuid (:func:`hash_for_uuid`), whatever it looks like.
+        Each kind has its own domain tag, so no uuid gives the key of some content,
+        and requests with different salts never share a key. Every instance computes
+        the same key for the same item, salt and kwargs.
         """
     @property
     def param(self) -> str:
@@ -168,6 +169,13 @@ class ParsedRequest:
     def instructions(self) -> str | None:
         """Responses requests: ``instructions`` (already prepended as a system message)."""
     @property
+    def cache_salt(self) -> str | None:
+        """vLLM's ``cache_salt`` (chat, completions, responses): a non-empty string.
+
+        It enters every media key of the request (see :attr:`MediaItem.mm_hash`).
+        A generate request names its keys itself: there it is an unknown field.
+        """
+    @property
     def unknown_fields(self) -> list[str]:
         """Top-level fields that were accepted and ignored (for logging).
 
@@ -208,9 +216,24 @@ def merge_ec_transfer_params(
     """As :func:`merge_kv_transfer_params`, under ``"ec_transfer_params"``."""
 
 def compute_mm_hash(
-    data: bytes, *, model_id: str = "", processor_kwargs: dict[str, Any] | None = None
+    data: bytes,
+    *,
+    model_id: str = "",
+    processor_kwargs: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> str:
-    """The content hash (blake3, lower-case hex) that :func:`parse_request` gives an item."""
+    """The key (blake3, lower-case hex) :func:`parse_request` gives an inline item without
+    ``uuid``: ``data`` are its decoded bytes, ``processor_kwargs`` the request's
+    ``mm_processor_kwargs``, ``cache_salt`` its salt."""
+
+def hash_for_uuid(
+    uuid: str,
+    *,
+    model_id: str = "",
+    processor_kwargs: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+) -> str:
+    """The key :func:`parse_request` gives an item that carries ``uuid``, inline or by URL."""
 
 def decode_data_url(url: str) -> tuple[str, bytes]:
     """``(mime_type, bytes)`` of a base64 ``data:`` URL. Raises :class:`RequestError`."""

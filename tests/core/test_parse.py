@@ -225,7 +225,8 @@ def test_media_items() -> None:
     assert ecf.is_valid_mm_hash(remote.mm_hash) and remote.mm_hash != inline.mm_hash
     assert named.uuid == "Custom ID" and ecf.is_valid_mm_hash(named.mm_hash)
     assert named.mm_hash not in (inline.mm_hash, "Custom ID")
-    assert hexnamed.mm_hash == "ab" * 32
+    assert named.mm_hash == ecf.hash_for_uuid("Custom ID", model_id="m1")
+    assert hexnamed.mm_hash == ecf.hash_for_uuid("ab" * 32, model_id="m1") != "ab" * 32
     for item in req.media:
         assert item.mm_hash == item.mm_hash.lower()
 

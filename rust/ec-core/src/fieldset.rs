@@ -49,9 +49,10 @@ pub enum F {
     SamplingParams,
     Features,
     ExtraArgs,
+    CacheSalt,
 }
 
-const COUNT: usize = F::ExtraArgs as usize + 1;
+const COUNT: usize = F::CacheSalt as usize + 1;
 
 impl F {
     /// The field of a key, on any endpoint.
@@ -97,6 +98,7 @@ impl F {
             "sampling_params" => F::SamplingParams,
             "features" => F::Features,
             "extra_args" => F::ExtraArgs,
+            "cache_salt" => F::CacheSalt,
             _ => return None,
         })
     }
@@ -152,6 +154,7 @@ const NAMES: [&str; COUNT] = [
     "sampling_params",
     "features",
     "extra_args",
+    "cache_salt",
 ];
 
 /// A set of fields.
@@ -199,7 +202,7 @@ pub const SAMPLING: Mask = Mask::of(&[
     F::IncludeStopStrInOutput,
 ]);
 
-/// Top-level fields of every OpenAI-style endpoint.
+/// Top-level fields of the OpenAI-style endpoints (chat, completions, responses).
 pub const COMMON: Mask = Mask::of(&[
     F::Model,
     F::Stream,
@@ -210,6 +213,7 @@ pub const COMMON: Mask = Mask::of(&[
     F::VllmXargs,
     F::MmProcessorKwargs,
     F::RequestId,
+    F::CacheSalt,
 ]);
 
 /// `/v1/chat/completions`.

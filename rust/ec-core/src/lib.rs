@@ -1,6 +1,6 @@
 //! The protocol core of ec-frontend: request parsing and validation for the chat,
 //! completions, responses and generate endpoints, transfer-param merging, data-URL
-//! decoding and media hashing. No Python here; `ec-py` is the bindings.
+//! decoding and media keys. No Python here; `ec-py` is the bindings.
 //!
 //! Entry point: [`parse_request`].
 
@@ -22,7 +22,7 @@ pub mod value;
 pub use error::RequestError;
 pub use json::{parse_body, parse_str};
 pub use limits::Limits;
-pub use media::{compute_mm_hash, decode_data_url, hash_for_uuid, is_valid_mm_hash, DataUrl};
+pub use media::{compute_mm_hash, decode_data_url, is_valid_mm_hash, DataUrl, KeyScope};
 pub use merge::{merge_ec_transfer_params, merge_kv_transfer_params, merge_transfer_params};
 pub use parse::parse_request;
 pub use request::{

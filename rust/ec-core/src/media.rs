@@ -1,17 +1,30 @@
-//! Inline media: `data:` URL decoding and content hashes (DESIGN.md 4.5).
+//! Inline media: `data:` URL decoding, and the keys (`mm_hash`) of media items
+//! (DESIGN.md 4.5).
+//!
+//! A key is blake3 over length-framed fields: a domain tag naming the kind of key
+//! (content, URL, uuid), the model id, the canonical JSON of the processor kwargs,
+//! the tenant's `cache_salt` (with a presence flag) and the item itself (its bytes,
+//! its URL or the uuid). Framing makes the byte stream decodable, and the kinds have
+//! different tags, so two keys are equal only when every field is: a uuid can never
+//! give the key of some content, and two salts never share a key.
+
+use std::cell::OnceCell;
 
 use crate::error::{RequestError, Result};
 use crate::value::Value;
 
-/// Domain tag of a content hash; bump the version if the hashed fields ever change.
-pub(crate) const CONTENT_TAG: &[u8] = b"ec-frontend/mm_hash/content/v1";
+/// Domain tag of a content hash; bump the version whenever the hashed fields change.
+const CONTENT_TAG: &[u8] = b"ec-frontend/mm_hash/content/v2";
 /// Domain tag of the hash of a URL reference.
-pub(crate) const URL_TAG: &[u8] = b"ec-frontend/mm_hash/url/v1";
-/// Domain tag of the hash of a user-supplied uuid that is not already lower-case hex.
-const UUID_TAG: &[u8] = b"ec-frontend/mm_hash/uuid/v1";
+const URL_TAG: &[u8] = b"ec-frontend/mm_hash/url/v2";
+/// Domain tag of the hash of a user-supplied uuid.
+const UUID_TAG: &[u8] = b"ec-frontend/mm_hash/uuid/v2";
 
-/// Longest accepted hash (and longest uuid used as-is).
+/// Longest accepted hash.
 pub const MAX_HASH_LEN: usize = 128;
+
+/// Longest accepted uuid, in bytes.
+pub const MAX_UUID_LEN: usize = 4 * MAX_HASH_LEN;
 
 /// A decoded `data:` URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,54 +96,76 @@ fn update_framed(hasher: &mut blake3::Hasher, field: &[u8]) {
     hasher.update(field);
 }
 
-/// A hasher primed with a domain tag, the model id and the canonical processor kwargs.
-pub(crate) fn prefix_hasher(tag: &[u8], model_id: &str, canonical_kwargs: &str) -> blake3::Hasher {
-    let mut hasher = blake3::Hasher::new();
-    update_framed(&mut hasher, tag);
-    update_framed(&mut hasher, model_id.as_bytes());
-    update_framed(&mut hasher, canonical_kwargs.as_bytes());
-    hasher
+/// Everything besides the item itself that enters its key: the model, the processor
+/// kwargs and the tenant's `cache_salt`. Every instance of a deployment builds the
+/// same scope from the same request, so encoder and prefill/decode agree on keys.
+pub struct KeyScope<'s> {
+    model_id: &'s str,
+    /// Canonical JSON of the processor kwargs (`""` when none).
+    kwargs: String,
+    cache_salt: Option<&'s str>,
+    /// Hashers primed with everything but the item, one per kind; made on first use.
+    primed: [OnceCell<blake3::Hasher>; 3],
 }
 
-/// Adds the item's own bytes to a primed hasher; lower-case hex.
-pub(crate) fn finish_hash(mut hasher: blake3::Hasher, data: &[u8]) -> String {
-    update_framed(&mut hasher, data);
-    hasher.finalize().to_hex().to_string()
+impl<'s> KeyScope<'s> {
+    pub fn new(
+        model_id: &'s str,
+        processor_kwargs: Option<&Value<'_>>,
+        cache_salt: Option<&'s str>,
+    ) -> Self {
+        Self {
+            model_id,
+            kwargs: processor_kwargs
+                .map(Value::canonical_json)
+                .unwrap_or_default(),
+            cache_salt,
+            primed: Default::default(),
+        }
+    }
+
+    fn key(&self, kind: usize, tag: &[u8], item: &[u8]) -> String {
+        let primed = self.primed[kind].get_or_init(|| {
+            let mut hasher = blake3::Hasher::new();
+            update_framed(&mut hasher, tag);
+            update_framed(&mut hasher, self.model_id.as_bytes());
+            update_framed(&mut hasher, self.kwargs.as_bytes());
+            update_framed(&mut hasher, &[u8::from(self.cache_salt.is_some())]);
+            update_framed(&mut hasher, self.cache_salt.unwrap_or("").as_bytes());
+            hasher
+        });
+        let mut hasher = primed.clone();
+        update_framed(&mut hasher, item);
+        hasher.finalize().to_hex().to_string()
+    }
+
+    /// The key of an inline item: its decoded bytes under the content tag.
+    pub fn content_hash(&self, data: &[u8]) -> String {
+        self.key(0, CONTENT_TAG, data)
+    }
+
+    /// The key of an item referenced by URL (its content is not in the request): the
+    /// URL in place of the bytes, under its own tag.
+    pub fn url_hash(&self, url: &str) -> String {
+        self.key(1, URL_TAG, url.as_bytes())
+    }
+
+    /// The key of an item named by a user-supplied `uuid`: always hashed under the uuid
+    /// tag, whatever the uuid looks like (a uuid that is itself lower-case hex is not
+    /// used as the key: it could be another item's content hash).
+    pub fn uuid_hash(&self, uuid: &str) -> String {
+        self.key(2, UUID_TAG, uuid.as_bytes())
+    }
 }
 
-/// The content hash of a media item: blake3 over a domain tag, the model id, the
-/// canonical JSON of the processor kwargs (`""` when none) and the decoded bytes, each
-/// length-framed so that no two different inputs share a byte stream. Lower-case hex.
+/// The content hash of an inline item without a `cache_salt`
+/// (`KeyScope::new(model_id, processor_kwargs, None).content_hash(data)`). Lower-case hex.
 pub fn compute_mm_hash(
     data: &[u8],
     model_id: &str,
     processor_kwargs: Option<&Value<'_>>,
 ) -> String {
-    let kwargs = processor_kwargs
-        .map(Value::canonical_json)
-        .unwrap_or_default();
-    finish_hash(prefix_hasher(CONTENT_TAG, model_id, &kwargs), data)
-}
-
-/// The hash of an item referenced by URL (its content is not in the request): the URL
-/// enters in place of the bytes, with its own domain tag.
-pub fn compute_url_hash(url: &str, model_id: &str, processor_kwargs: Option<&Value<'_>>) -> String {
-    let kwargs = processor_kwargs
-        .map(Value::canonical_json)
-        .unwrap_or_default();
-    finish_hash(prefix_hasher(URL_TAG, model_id, &kwargs), url.as_bytes())
-}
-
-/// The `mm_hash` that a user-supplied uuid gives an item: the uuid itself when it is
-/// already a valid hash, else its blake3 hash (so one uuid names one item everywhere).
-pub fn hash_for_uuid(uuid: &str) -> String {
-    if is_valid_mm_hash(uuid) {
-        return uuid.to_owned();
-    }
-    let mut hasher = blake3::Hasher::new();
-    update_framed(&mut hasher, UUID_TAG);
-    update_framed(&mut hasher, uuid.as_bytes());
-    hasher.finalize().to_hex().to_string()
+    KeyScope::new(model_id, processor_kwargs, None).content_hash(data)
 }
 
 /// True for a non-empty lower-case hex string of at most [`MAX_HASH_LEN`] characters.

@@ -3,7 +3,7 @@
 use crate::error::{RequestError, Result};
 use crate::fields::value_error;
 use crate::limits::Limits;
-use crate::media::{decode_base64, decoded_len_bound, hash_for_uuid, split_data_url, MAX_HASH_LEN};
+use crate::media::{decode_base64, decoded_len_bound, split_data_url, KeyScope, MAX_UUID_LEN};
 use crate::path::Path;
 use crate::request::MediaItem;
 use crate::value::Value;
@@ -11,45 +11,26 @@ use crate::value::Value;
 /// Accumulates the media items of one request in order of appearance.
 pub struct MediaCollector<'l> {
     limits: &'l Limits,
-    model_id: &'l str,
-    /// Canonical JSON of the processor kwargs.
-    kwargs: String,
-    /// Hashers primed with tag, model id and kwargs; made on first use.
-    content: Option<blake3::Hasher>,
-    url: Option<blake3::Hasher>,
+    /// What enters every key of this request besides the item.
+    scope: KeyScope<'l>,
     total_bytes: usize,
     pub items: Vec<MediaItem>,
 }
 
 impl<'l> MediaCollector<'l> {
-    /// `model_id` and the processor kwargs enter every hash of this request.
+    /// `model_id`, the processor kwargs and `cache_salt` enter every key of this request.
     pub fn new(
         limits: &'l Limits,
         model_id: &'l str,
         processor_kwargs: Option<&Value<'_>>,
+        cache_salt: Option<&'l str>,
     ) -> Self {
         Self {
             limits,
-            model_id,
-            kwargs: processor_kwargs
-                .map(Value::canonical_json)
-                .unwrap_or_default(),
-            content: None,
-            url: None,
+            scope: KeyScope::new(model_id, processor_kwargs, cache_salt),
             total_bytes: 0,
             items: Vec::new(),
         }
-    }
-
-    fn hash(&mut self, url_reference: bool, data: &[u8]) -> String {
-        let (slot, tag) = if url_reference {
-            (&mut self.url, crate::media::URL_TAG)
-        } else {
-            (&mut self.content, crate::media::CONTENT_TAG)
-        };
-        let primed = slot
-            .get_or_insert_with(|| crate::media::prefix_hasher(tag, self.model_id, &self.kwargs));
-        crate::media::finish_hash(primed.clone(), data)
     }
 
     /// Adds one image given by `url` (a base64 `data:` URL or an http(s) URL) found at
@@ -72,10 +53,10 @@ impl<'l> MediaCollector<'l> {
             });
         }
         if let Some(uuid) = uuid {
-            if uuid.is_empty() || uuid.len() > 4 * MAX_HASH_LEN {
+            if uuid.is_empty() || uuid.len() > MAX_UUID_LEN {
                 return Err(value_error(
                     uuid_path,
-                    format!("'uuid' must be 1 to {} bytes long", 4 * MAX_HASH_LEN),
+                    format!("'uuid' must be 1 to {MAX_UUID_LEN} bytes long"),
                 ));
             }
         }
@@ -114,8 +95,8 @@ impl<'l> MediaCollector<'l> {
             }
             self.total_bytes += data.len();
             let mm_hash = match uuid {
-                Some(u) => hash_for_uuid(u),
-                None => self.hash(false, &data),
+                Some(u) => self.scope.uuid_hash(u),
+                None => self.scope.content_hash(&data),
             };
             MediaItem {
                 kind: "image",
@@ -135,8 +116,8 @@ impl<'l> MediaCollector<'l> {
                 ));
             }
             let mm_hash = match uuid {
-                Some(u) => hash_for_uuid(u),
-                None => self.hash(true, url.as_bytes()),
+                Some(u) => self.scope.uuid_hash(u),
+                None => self.scope.url_hash(url),
             };
             MediaItem {
                 kind: "image",

@@ -71,7 +71,14 @@ pub fn parse_request(
     req.echo = opt_bool(fields.raw(F::Echo), &ROOT.key("echo"), false)?;
     keep(4)?;
 
-    let mut media = MediaCollector::new(limits, model_id, fields.get(F::MmProcessorKwargs));
+    let cache_salt = cache_salt(fields.raw(F::CacheSalt))?;
+    req.cache_salt = cache_salt.map(str::to_owned);
+    let mut media = MediaCollector::new(
+        limits,
+        model_id,
+        fields.get(F::MmProcessorKwargs),
+        cache_salt,
+    );
     let mut extra_args = None;
     match endpoint {
         Endpoint::Chat => {
@@ -204,6 +211,18 @@ const OBJECT_FIELDS: [(F, &str); 5] = [
     (F::ChatTemplateKwargs, "chat_template_kwargs"),
     (F::VllmXargs, "vllm_xargs"),
 ];
+
+/// vLLM's rule for `cache_salt`: absent, `null` or a non-empty string.
+fn cache_salt<'v>(v: Option<&'v Value<'_>>) -> Result<Option<&'v str>> {
+    let path = ROOT.key("cache_salt");
+    match present(v).map(|v| string(v, &path)).transpose()? {
+        Some("") => Err(value_error(
+            &path,
+            "'cache_salt' must be a non-empty string if provided",
+        )),
+        salt => Ok(salt),
+    }
+}
 
 fn token_ids(v: &Value<'_>, path: &Path<'_>, limits: &Limits) -> Result<Vec<u32>> {
     let items = array(v, path)?;

@@ -219,6 +219,9 @@ pub struct ParsedRequest {
     pub echo: bool,
     /// Responses requests (also prepended as a system message).
     pub instructions: Option<String>,
+    /// vLLM's tenant salt (chat, completions, responses): it enters every media key of
+    /// the request, so requests with different salts never share an encoder-cache entry.
+    pub cache_salt: Option<String>,
     /// Top-level fields accepted and ignored (`sampling_params.x` for generate).
     pub unknown_fields: Vec<String>,
 }
@@ -245,6 +248,7 @@ impl ParsedRequest {
             add_generation_prompt: true,
             echo: false,
             instructions: None,
+            cache_salt: None,
             unknown_fields: Vec::new(),
         }
     }

@@ -164,9 +164,6 @@ fn data_urls_and_hashes() {
     ] {
         assert_eq!(ec_core::is_valid_mm_hash(value), valid, "{value}");
     }
-    assert_eq!(ec_core::hash_for_uuid("00ff"), "00ff");
-    let hashed = ec_core::hash_for_uuid("Not-Hex");
-    assert!(ec_core::is_valid_mm_hash(&hashed) && hashed.len() == 64);
 }
 
 #[test]

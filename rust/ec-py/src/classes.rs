@@ -425,6 +425,10 @@ impl PyParsedRequest {
         self.inner.instructions.as_deref()
     }
     #[getter]
+    fn cache_salt(&self) -> Option<&str> {
+        self.inner.cache_salt.as_deref()
+    }
+    #[getter]
     fn unknown_fields(&self) -> Vec<String> {
         self.inner.unknown_fields.clone()
     }

@@ -117,28 +117,50 @@ fn merge_ec_transfer_params(
     merge(py, xargs, params, ec_core::merge::EC_KEY)
 }
 
+fn kwargs_value(
+    py: Python<'_>,
+    processor_kwargs: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<ec_core::OwnedValue>> {
+    processor_kwargs
+        .filter(|o| !o.is_none())
+        .map(|o| {
+            py_to_value(o, "processor_kwargs", Limits::default().effective_depth())
+                .map_err(|e| to_py_err(py, &e))
+        })
+        .transpose()
+}
+
 /// The content hash `parse_request` gives an inline item.
 #[pyfunction]
-#[pyo3(signature = (data, *, model_id = "", processor_kwargs = None))]
+#[pyo3(signature = (data, *, model_id = "", processor_kwargs = None, cache_salt = None))]
 fn compute_mm_hash(
     py: Python<'_>,
     data: &[u8],
     model_id: &str,
     processor_kwargs: Option<&Bound<'_, PyAny>>,
+    cache_salt: Option<&str>,
 ) -> PyResult<String> {
-    let kwargs = match processor_kwargs.filter(|o| !o.is_none()) {
-        None => None,
-        Some(o) => Some(
-            py_to_value(o, "processor_kwargs", Limits::default().effective_depth())
-                .map_err(|e| to_py_err(py, &e))?,
-        ),
-    };
-    let hash = || ec_core::compute_mm_hash(data, model_id, kwargs.as_ref());
+    let kwargs = kwargs_value(py, processor_kwargs)?;
+    let hash = || ec_core::KeyScope::new(model_id, kwargs.as_ref(), cache_salt).content_hash(data);
     Ok(if data.len() >= DETACH_MIN_BODY_BYTES {
         py.detach(hash)
     } else {
         hash()
     })
+}
+
+/// The key `parse_request` gives an item that names itself by `uuid`.
+#[pyfunction]
+#[pyo3(signature = (uuid, *, model_id = "", processor_kwargs = None, cache_salt = None))]
+fn hash_for_uuid(
+    py: Python<'_>,
+    uuid: &str,
+    model_id: &str,
+    processor_kwargs: Option<&Bound<'_, PyAny>>,
+    cache_salt: Option<&str>,
+) -> PyResult<String> {
+    let kwargs = kwargs_value(py, processor_kwargs)?;
+    Ok(ec_core::KeyScope::new(model_id, kwargs.as_ref(), cache_salt).uuid_hash(uuid))
 }
 
 /// `(mime_type, bytes)` of a base64 `data:` URL.
@@ -177,6 +199,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge_kv_transfer_params, m)?)?;
     m.add_function(wrap_pyfunction!(merge_ec_transfer_params, m)?)?;
     m.add_function(wrap_pyfunction!(compute_mm_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_for_uuid, m)?)?;
     m.add_function(wrap_pyfunction!(decode_data_url, m)?)?;
     m.add_function(wrap_pyfunction!(is_valid_mm_hash, m)?)?;
     Ok(())
