@@ -142,11 +142,18 @@ class ServerMetrics:
             PREFIX + "requests_aborted_total",
             "Engine requests aborted because the client went away or the server drained.",
         )
+        self.refused = Counter(
+            PREFIX + "http_connections_refused_total",
+            "Connections closed by the HTTP limits (head size or timeout, URL size, "
+            "connection cap), by reason.",
+            ("reason",),
+        )
         self.in_flight = 0
 
     def render(self) -> Iterable[str]:
         yield from self.requests.render()
         yield from self.aborted.render()
+        yield from self.refused.render()
         yield f"# HELP {PREFIX}http_requests_in_flight Generation requests being served."
         yield f"# TYPE {PREFIX}http_requests_in_flight gauge"
         yield f"{PREFIX}http_requests_in_flight {self.in_flight}"

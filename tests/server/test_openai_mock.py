@@ -322,8 +322,12 @@ def test_request_id_echoed(mock_server: ServerProcess) -> None:
 
 
 def test_docs_and_openapi(mock_server: ServerProcess) -> None:
-    assert httpx.get(mock_server.url + "/docs").status_code == 200
-    spec = httpx.get(mock_server.url + "/openapi.json").json()
+    """With an API key the docs need it too (no ``--public-docs`` on this server)."""
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(mock_server.url + path).status_code == 401, path
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(mock_server.url + "/docs", headers=auth).status_code == 200
+    spec = httpx.get(mock_server.url + "/openapi.json", headers=auth).json()
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert ref == "#/components/schemas/ChatCompletionRequest"

@@ -13,8 +13,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ec_frontend.entrypoints.http_protocol import HttpLimits
 from ec_frontend.entrypoints.launcher import ServeOptions, serve
-from ec_frontend.entrypoints.proxy_cli import add_proxy_args, run_proxy
+from ec_frontend.entrypoints.limits import ResourceLimits
+from ec_frontend.entrypoints.proxy_cli import add_proxy_args, add_transfer_trust_args, run_proxy
+from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
 COMMANDS: dict[
@@ -70,6 +73,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help='JSON, e.g. \'{"kv_connector": "KVSideChannelConnector", "kv_role": "kv_producer"}\'',
     )
+    add_transfer_trust_args(p)
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -97,19 +101,146 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish before aborting them",
+        help="on SIGTERM, seconds until the server has exited: in-flight requests finish, "
+        "or are aborted and their connections closed near the end",
     )
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (by default it needs the key when one is set)",
+    )
+    p.add_argument(
+        "--public-docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json without the API key",
+    )
+    add_limit_args(p)
+    add_http_args(p)
+
+
+#: A flag of a limits group: (flag, type, default, help); help may use ``%(default)s``.
+Flag = tuple[str, type, object, str]
+
+
+def _limits_group(p: argparse.ArgumentParser, title: str, flags: Sequence[Flag]) -> None:
+    group = p.add_argument_group(title)
+    for flag, kind, default, text in flags:
+        group.add_argument(flag, type=kind, default=default, help=text)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Per-request resource bounds (``docs/security.md``, "HTTP and resource limits")."""
+    d = ResourceLimits()
+    _limits_group(p, "resource limits", [
+        ("--max-media-items", int, d.max_media_items,
+         "media items per request (default %(default)s)"),
+        ("--max-image-pixels", int, d.max_image_pixels,
+         "pixels (width x height, read from the header) per image (default %(default)s)"),
+        ("--max-request-pixels", int, d.max_request_pixels,
+         "pixels of all the images of a request (default %(default)s)"),
+        ("--image-formats", str, ",".join(DEFAULT_IMAGE_FORMATS),
+         "comma-separated Pillow decoders a request may reach (default %(default)s)"),
+        ("--max-processor-pixels", int, None,
+         "largest mm_processor_kwargs min_pixels / max_pixels (default: the checkpoint's "
+         "max_pixels)"),
+        ("--max-prompt-chars", int, None,
+         "characters of prompt text, checked before tokenization (default: 16 x "
+         "max-model-len)"),
+        ("--max-fanout", int, d.max_fanout,
+         "engine requests per HTTP request, prompts x n (default %(default)s)"),
+        ("--max-engine-requests", int, None,
+         "engine requests in flight; over it, 429 (default: 16 x max-num-seqs, at least 256)"),
+        ("--processing-workers", int, 0,
+         "threads decoding images and tokenizing (default: one per CPU, at most 4)"),
+        ("--max-processing-queue", int, d.max_processing_queue,
+         "requests waiting for a processing thread; over it, 429 (default %(default)s)"),
+    ])  # fmt: skip
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """Connection-level limits (the hardened HTTP protocol and the body deadline)."""
+    d = HttpLimits()
+    _limits_group(p, "HTTP limits", [
+        ("--max-header-bytes", int, d.max_header_bytes,
+         "request line and headers; over it, 431 (default %(default)s)"),
+        ("--max-url-bytes", int, d.max_url_bytes,
+         "request URL; over it, 414 (default %(default)s)"),
+        ("--header-timeout", float, d.header_timeout_s,
+         "seconds for a request head to arrive, and for a new connection to send one "
+         "(default %(default)s)"),
+        ("--body-timeout", float, 60.0,
+         "seconds for a request body to arrive; over it, 408 (default %(default)s)"),
+        ("--keep-alive-timeout", float, d.keep_alive_timeout_s,
+         "seconds an idle keep-alive connection stays open (default %(default)s)"),
+        ("--max-connections", int, 0,
+         "open connections; a new one over the cap closes the quietest idle one "
+         "(default: below the open-file limit, at most 10000)"),
+    ])  # fmt: skip
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(
+        max_header_bytes=args.max_header_bytes,
+        max_url_bytes=args.max_url_bytes,
+        header_timeout_s=args.header_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+    )
+
+
+def resource_limits(args: argparse.Namespace) -> ResourceLimits:
+    formats = tuple(f.strip().upper() for f in args.image_formats.split(",") if f.strip())
+    return ResourceLimits(
+        max_media_items=args.max_media_items,
+        max_image_pixels=args.max_image_pixels,
+        max_request_pixels=args.max_request_pixels,
+        image_formats=formats,
+        max_processor_pixels=args.max_processor_pixels,
+        max_prompt_chars=args.max_prompt_chars,
+        max_fanout=args.max_fanout,
+        processing_workers=args.processing_workers,
+        max_processing_queue=args.max_processing_queue,
+    )
+
+
+#: Flags that must be positive when given.
+_POSITIVE = (
+    "max_model_len", "max_num_seqs", "max_body_bytes", "port", "max_media_items",
+    "max_image_pixels", "max_request_pixels", "max_processor_pixels", "max_prompt_chars",
+    "max_fanout", "max_engine_requests", "max_header_bytes", "max_url_bytes",
+    "header_timeout", "body_timeout", "keep_alive_timeout",
+)  # fmt: skip
+#: Flags that may be 0 (0 meaning "derived") but not negative.
+_NON_NEGATIVE = ("processing_workers", "max_processing_queue", "max_connections", "drain_timeout")
+
+
+def check_flags(args: argparse.Namespace, command: str) -> str | None:
+    """The first flag with an out-of-range value, as an error line; ``None`` when all fit."""
+    for name in _POSITIVE + _NON_NEGATIVE:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and name in _POSITIVE):
+            bound = "> 0" if name in _POSITIVE else ">= 0"
+            return f"ec-frontend {command}: --{name.replace('_', '-')} must be {bound}"
+    return None
 
 
 def run_serve(args: argparse.Namespace) -> int:
     api_key = (
         args.api_key or os.environ.get("EC_FRONTEND_API_KEY") or os.environ.get("VLLM_API_KEY")
     )
-    for name in ("max_model_len", "max_num_seqs", "max_body_bytes", "port"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            print(f"ec-frontend serve: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
-            return 2
+    problem = check_flags(args, "serve")
+    if problem is None:
+        from PIL import Image
+
+        Image.init()
+        unknown = sorted(set(resource_limits(args).image_formats) - set(Image.OPEN))
+        if unknown:
+            problem = f"ec-frontend serve: --image-formats: unknown decoders {unknown}"
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     options = ServeOptions(
         model=args.model,
         host=args.host,
@@ -123,12 +254,21 @@ def run_serve(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         ec_transfer_config=args.ec_transfer_config,
         kv_transfer_config=args.kv_transfer_config,
+        transfer_secret=args.transfer_secret,
+        transfer_secret_file=args.transfer_secret_file,
+        transfer_peers=args.transfer_peers,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         mock_engine=args.mock_engine,
         mock_token_latency_s=args.mock_token_latency_ms / 1000.0,
         access_log=args.access_log,
         drain_timeout_s=args.drain_timeout,
+        body_timeout_s=args.body_timeout,
+        limits=resource_limits(args),
+        http=http_limits(args),
+        max_engine_requests=args.max_engine_requests,
+        public_metrics=args.public_metrics,
+        public_docs=args.public_docs,
     )
     return serve(options)
 

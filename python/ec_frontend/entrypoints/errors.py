@@ -22,9 +22,12 @@ _TYPES: dict[int, str] = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
+    499: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable_error",
 }

@@ -6,7 +6,8 @@ For each HTTP request it
   ``scope["ec_request_id"]`` and echoes it on the response;
 * refuses new work with 503 while the server drains (``/metrics`` stays up);
 * checks ``Authorization: Bearer <key>`` on ``/v1/*`` and ``/inference/*`` when
-  an API key is configured (401 otherwise);
+  an API key is configured (401 otherwise), and on ``/metrics`` and the API
+  docs (``/docs``, ``/redoc``, ``/openapi.json``) unless they are made public;
 * counts ``ec_frontend_requests_total{endpoint,status}`` and the generation
   requests in flight, which the drain waits on.
 
@@ -45,6 +46,7 @@ KNOWN_ENDPOINTS: frozenset[str] = frozenset(
         "/health",
         "/metrics",
         "/docs",
+        "/redoc",
         "/openapi.json",
     }
 )
@@ -52,6 +54,9 @@ GENERATION_ENDPOINTS: frozenset[str] = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"}
 )
 _PROTECTED_PREFIXES: tuple[str, ...] = ("/v1/", "/inference/")
+DOCS_PATHS: frozenset[str] = frozenset(
+    {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+)
 #: A client's X-Request-Id is used when it is 1 to 256 visible ASCII characters.
 _VALID_ID = re.compile(rb"[\x21-\x7e]{1,256}")
 
@@ -59,11 +64,30 @@ _VALID_ID = re.compile(rb"[\x21-\x7e]{1,256}")
 class FrontState:
     """Mutable server state the middleware and the drain share."""
 
-    def __init__(self, metrics: ServerMetrics, api_key: str | None, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        api_key: str | None,
+        max_in_flight: int,
+        *,
+        public_metrics: bool = False,
+        public_docs: bool = False,
+    ) -> None:
         self.metrics = metrics
         self.api_key = api_key.encode() if api_key else None
         self.max_in_flight = max_in_flight
         self.draining = False
+        public: set[str] = set()
+        if public_metrics:
+            public.add("/metrics")
+        if public_docs:
+            public |= DOCS_PATHS
+        #: Paths outside the API prefixes that need the key too.
+        self.protected_paths = ({"/metrics"} | DOCS_PATHS) - public
+
+    def needs_key(self, path: str) -> bool:
+        """Whether ``path`` is behind the API key (when one is configured)."""
+        return path.startswith(_PROTECTED_PREFIXES) or path in self.protected_paths
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -109,10 +133,11 @@ class FrontMiddleware:
             return APIError(
                 503, "the server is shutting down", code="draining", headers={"connection": "close"}
             )
-        if state.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+        key = state.api_key
+        if key is not None and state.needs_key(path):
             auth = _header(scope, b"authorization") or b""
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, state.api_key):
+            if not hmac.compare_digest(token, key):
                 return APIError(
                     401,
                     "invalid or missing API key",

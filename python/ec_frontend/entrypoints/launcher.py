@@ -1,22 +1,28 @@
 """Build the engine and the app from :class:`ServeOptions`, run uvicorn, drain on SIGTERM.
 
 Drain (first SIGTERM or SIGINT): the server keeps its socket open but answers
-503 to every new request (``/metrics`` excepted), lets the generation requests
-in flight finish for up to ``drain_timeout_s``, aborts those still running,
-then stops uvicorn and the engine and returns 0. A second signal exits at once.
+503 to every new request (``/metrics`` excepted) and lets the generation
+requests in flight finish. Shortly before ``drain_timeout_s`` it aborts the
+engine requests still running, then closes the connections still open (a
+client still sending its body sees its connection closed; the server logs a
+499), stops uvicorn and the engine and returns 0, all within
+``drain_timeout_s`` whatever clients do. A second signal exits at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
+from ec_frontend.entrypoints.http_protocol import HttpLimits, hardened_protocol
+from ec_frontend.entrypoints.limits import ResourceLimits
 from ec_frontend.entrypoints.server import App, ServerConfig, build_app
 
 log = logging.getLogger("ec_frontend.server")
@@ -38,12 +44,44 @@ class ServeOptions:
     cpu_threads: int | None = None
     ec_transfer_config: str | None = None
     kv_transfer_config: str | None = None
+    transfer_secret: str | None = None
+    transfer_secret_file: str | None = None
+    transfer_peers: str | None = None
     max_body_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
     mock_engine: bool = False
     mock_token_latency_s: float = 0.0
     access_log: bool = False
     drain_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    #: ``max_connections`` 0: derived from the open-file limit (:func:`connection_cap`).
+    http: HttpLimits = field(default_factory=lambda: HttpLimits(max_connections=0))
+    #: ``None``: derived from ``max_num_seqs`` (16 per sequence slot, at least 256).
+    max_engine_requests: int | None = None
+    public_metrics: bool = False
+    public_docs: bool = False
+
+
+#: Descriptors kept free of client connections (engine, connectors, logs).
+_RESERVED_FDS = 256
+
+
+def connection_cap(requested: int) -> int:
+    """``requested``, or when 0 a cap below the open-file limit (raised to its hard
+    maximum first), so that idle connections can never exhaust descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if requested > 0:
+        return requested
+    if soft == resource.RLIM_INFINITY:
+        return 10_000
+    return max(16, min(10_000, soft - _RESERVED_FDS))
 
 
 class StartupError(Exception):
@@ -94,19 +132,30 @@ class DrainingServer(uvicorn.Server):
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
 
-    async def _drain(self) -> None:
-        metrics = self.core.metrics
-        deadline = time.monotonic() + self.drain_timeout_s
-        while metrics.in_flight > 0 and time.monotonic() < deadline:
+    async def _wait_idle(self, until: float) -> None:
+        while self.core.metrics.in_flight > 0 and time.monotonic() < until:
             await asyncio.sleep(0.05)
-        if metrics.in_flight > 0:
+
+    async def _drain(self) -> None:
+        timeout = self.drain_timeout_s
+        end = time.monotonic() + timeout
+        # The last part of the timeout is kept for aborting, closing and stopping.
+        reserve = min(3.0, timeout / 3)
+        await self._wait_idle(end - reserve)
+        if self.core.metrics.in_flight > 0:
             ids = self.core.serving.active_ids()
             log.info("drain timeout: aborting %d engine requests", len(ids))
             for rid in ids:
                 await self.core.engine.abort(rid)
-            grace = time.monotonic() + 5.0
-            while metrics.in_flight > 0 and time.monotonic() < grace:
-                await asyncio.sleep(0.05)
+            await self._wait_idle(end - reserve / 2)
+        if self.core.metrics.in_flight > 0:
+            open_ = list(self.server_state.connections)
+            log.info("drain timeout: closing %d connections", len(open_))
+            for conn in open_:
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.close()
+            await self._wait_idle(end - reserve / 4)
         log.info("drained; shutting down")
         self.should_exit = True
 
@@ -120,16 +169,24 @@ def serve(opts: ServeOptions) -> int:
         return 2
     names = opts.served_model_names or ((opts.model or model_id),)
     processor = getattr(engine, "processor", None)
+    seqs = opts.max_num_seqs or 256
+    engine_requests = opts.max_engine_requests or max(256, 16 * seqs)
+    limits = replace(opts.limits, max_engine_requests=engine_requests)
+    http = replace(opts.http, max_connections=connection_cap(opts.http.max_connections))
     config = ServerConfig(
         model_names=names,
         max_model_len=max_len,
         model_id=model_id,
         api_key=opts.api_key,
         max_body_bytes=opts.max_body_bytes,
-        max_in_flight=max(64, 16 * (opts.max_num_seqs or 256)),
+        max_in_flight=max(64, 16 * seqs),
         offload_processing=not opts.mock_engine,
         vocab_size=getattr(processor, "vocab_size", None),
         drain_timeout_s=opts.drain_timeout_s,
+        body_timeout_s=opts.body_timeout_s,
+        limits=limits,
+        public_metrics=opts.public_metrics,
+        public_docs=opts.public_docs,
     )
     app, core = build_app(engine, config)
     uv_config = uvicorn.Config(
@@ -139,9 +196,8 @@ def serve(opts: ServeOptions) -> int:
         log_level=opts.log_level,
         access_log=opts.access_log,
         loop=_pick("uvloop", "asyncio"),
-        http=_pick("httptools", "h11"),
+        **uvicorn_http_settings(http, core.metrics.refused),
         lifespan="off",
-        timeout_keep_alive=30,
         server_header=False,
     )
     server = DrainingServer(uv_config, core, opts.drain_timeout_s)
@@ -149,10 +205,26 @@ def serve(opts: ServeOptions) -> int:
     try:
         server.run()
     finally:
+        core.serving.shutdown()
         engine.shutdown()
     if not server.started:
         return 1
     return 0
+
+
+def uvicorn_http_settings(http: HttpLimits, refused: Any) -> dict[str, Any]:
+    """uvicorn settings for ``http``: the hardened httptools protocol, or h11 with
+    its own head-size bound (answered 400, not 431) where httptools is missing."""
+    settings: dict[str, Any] = {
+        "timeout_keep_alive": http.keep_alive_timeout_s,
+        "timeout_graceful_shutdown": 1,
+    }
+    if _pick("httptools", "h11") == "httptools":
+        settings["http"] = hardened_protocol(http, refused)
+    else:
+        settings["http"] = "h11"
+        settings["h11_max_incomplete_event_size"] = http.max_header_bytes
+    return settings
 
 
 def _pick(preferred: str, fallback: str) -> str:
@@ -163,4 +235,11 @@ def _pick(preferred: str, fallback: str) -> str:
     return preferred
 
 
-__all__ = ["ServeOptions", "StartupError", "build_engine", "serve"]
+__all__ = [
+    "ServeOptions",
+    "StartupError",
+    "build_engine",
+    "connection_cap",
+    "serve",
+    "uvicorn_http_settings",
+]

@@ -31,6 +31,22 @@ BLOCK_SIZE = 16
 DEFAULT_MAX_TOKENS = 16
 
 
+#: Token ids of the character tokenizer: the Unicode code points.
+VOCAB_SIZE = 0x110000
+
+
+def check_token_ids(token_ids: Sequence[int]) -> list[int]:
+    """``token_ids`` as a list; ``ValueError`` (a 400) for an id that is not a Unicode
+    scalar value, which the character tokenizer could not decode."""
+    ids = list(token_ids)
+    for i, t in enumerate(ids):
+        if not 0 <= t < VOCAB_SIZE or 0xD800 <= t <= 0xDFFF:
+            raise ValueError(
+                f"token {i} ({t}) is not in the mock vocabulary (Unicode scalar values)"
+            )
+    return ids
+
+
 class CharTokenizer:
     """Token id = Unicode code point; id 0 is the end-of-sequence token."""
 
@@ -61,6 +77,8 @@ class MockInputs:
 
 class MockProcessor:
     """Flattens chat messages to ``role: text`` lines; an image becomes placeholders."""
+
+    vocab_size = VOCAB_SIZE
 
     def __init__(self) -> None:
         self.tokenizer = CharTokenizer()
@@ -100,14 +118,14 @@ class MockProcessor:
     def process_prompt(self, prompt: str | list[int]) -> MockInputs:
         if isinstance(prompt, str):
             return MockInputs(self.tokenizer.encode(prompt), [], prompt)
-        return MockInputs(list(prompt), [], None)
+        return MockInputs(check_token_ids(prompt), [], None)
 
     def process_generate(self, token_ids: list[int], features: dict[str, Any] | None) -> MockInputs:
         mm: list[MockFeature] = []
         if features:
             for h, ph in zip(features["mm_hashes"], features["mm_placeholders"], strict=True):
                 mm.append(MockFeature(h, ph["offset"], ph["length"]))
-        return MockInputs(list(token_ids), mm, None)
+        return MockInputs(check_token_ids(token_ids), mm, None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,21 +14,24 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
-from ec_frontend.entrypoints import openapi_docs
+from ec_frontend.entrypoints import openapi_docs, vllm_routes
 from ec_frontend.entrypoints.context import DONE, RequestContext
 from ec_frontend.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from ec_frontend.entrypoints.generate_api import generate_body, generate_stream
 from ec_frontend.entrypoints.http_middleware import FrontMiddleware, FrontState
-from ec_frontend.entrypoints.jobs import Choice, usage
+from ec_frontend.entrypoints.jobs import Choice, Job, usage
+from ec_frontend.entrypoints.limits import ResourceLimits
 from ec_frontend.entrypoints.openai_format import (
     chat_body,
     chat_stream,
@@ -36,7 +39,7 @@ from ec_frontend.entrypoints.openai_format import (
     completion_stream,
 )
 from ec_frontend.entrypoints.responses_api import response_body, response_stream
-from ec_frontend.entrypoints.serving import Serving, ServingConfig
+from ec_frontend.entrypoints.serving import Serving, ServingConfig, engine_failure
 from ec_frontend.metrics import ServerMetrics, render
 
 T = TypeVar("T")
@@ -45,6 +48,8 @@ log = logging.getLogger("ec_frontend.server")
 #: Bodies above this size are parsed in a worker thread (the parser releases the GIL).
 _THREAD_PARSE_BYTES = 256 * 1024
 _JSON = "application/json"
+#: Sent with errors after which the rest of the request body is not read.
+_CLOSE = {"connection": "close"}
 #: A non-stream request watches for its client's disconnect after this long.
 _WATCH_AFTER_S = 0.05
 
@@ -62,6 +67,13 @@ class ServerConfig:
     offload_processing: bool = True
     vocab_size: int | None = None
     drain_timeout_s: float = 30.0
+    #: The whole body must arrive within this many seconds of the headers (else 408).
+    body_timeout_s: float = 60.0
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    #: ``/metrics`` answers without the API key.
+    public_metrics: bool = False
+    #: ``/docs``, ``/redoc`` and ``/openapi.json`` answer without the API key.
+    public_docs: bool = False
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -78,6 +90,9 @@ def _status_of(exc: BaseException) -> BaseException:
         return APIError(exc.status_code, str(exc.detail), code="http_error")
     if isinstance(exc, APIError | RequestError):
         return exc
+    if isinstance(exc, ClientDisconnect):
+        log.debug("client disconnected before its request body was read")
+        return APIError(499, "client disconnected", code="client_disconnected")
     engine_mod = sys.modules.get("ec_frontend.engine.async_engine")
     if engine_mod is not None and isinstance(exc, engine_mod.EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
@@ -97,8 +112,17 @@ class App:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics()
-        self.state = FrontState(self.metrics, config.api_key, config.max_in_flight)
-        self.limits = Limits(max_body_bytes=config.max_body_bytes)
+        self.state = FrontState(
+            self.metrics,
+            config.api_key,
+            config.max_in_flight,
+            public_metrics=config.public_metrics,
+            public_docs=config.public_docs,
+        )
+        limits = config.limits
+        self.limits = Limits(
+            max_body_bytes=config.max_body_bytes, max_media_items=limits.max_media_items
+        )
         self.serving = Serving(
             engine,
             ServingConfig(
@@ -106,10 +130,17 @@ class App:
                 max_model_len=config.max_model_len,
                 offload_processing=config.offload_processing,
                 vocab_size=config.vocab_size,
+                limits=limits,
             ),
             self.metrics,
         )
         processor = getattr(engine, "processor", None)
+        if hasattr(processor, "configure_media"):
+            processor.configure_media(
+                max_image_pixels=limits.max_image_pixels,
+                formats=limits.image_formats,
+                max_processor_pixels=limits.max_processor_pixels,
+            )
         self.tokenizer = getattr(processor, "tokenizer", None)
         self.created = int(time.time())
 
@@ -138,15 +169,26 @@ class App:
                 )
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(
-                    413,
-                    f"request body exceeds the limit of {limit} bytes",
-                    code="request_too_large",
-                )
-            chunks.append(chunk)
+        timeout = self.config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(
+                            413,
+                            f"request body exceeds the limit of {limit} bytes",
+                            code="request_too_large",
+                            headers=_CLOSE,
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                code="body_timeout",
+                headers=_CLOSE,
+            ) from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def parse(
@@ -171,10 +213,13 @@ class App:
     def json(body: bytes, status: int = 200) -> Response:
         return Response(body, status_code=status, media_type=_JSON)
 
-    @staticmethod
-    def sse(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    def sse(self, gen: AsyncIterator[bytes], jobs: list[Job]) -> StreamingResponse:
+        """A stream of ``gen``; the ids of ``jobs`` are released even if it never starts."""
         return StreamingResponse(
-            _guarded(gen), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            _guarded(gen),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+            background=BackgroundTask(self.serving.release, jobs),
         )
 
     async def until_disconnect(self, request: Request, coro: Coroutine[Any, Any, T]) -> T:
@@ -202,7 +247,7 @@ class App:
     def check_choices(choices: list[Choice]) -> None:
         for c in choices:
             if c.error is not None:
-                raise APIError(500, f"engine error: {c.error}", code="engine_error")
+                raise engine_failure(c.error)
             if c.finish_reason == "abort":
                 raise APIError(503, "the request was aborted", code="aborted")
 
@@ -213,7 +258,7 @@ class App:
         jobs = await self.serving.make_jobs(parsed, ctx.request_id)
         ids = f"chatcmpl-{ctx.request_id}"
         if parsed.stream:
-            return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids))
+            return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
         return self.json(chat_body(ctx, choices, usage(choices), ids))
@@ -223,7 +268,7 @@ class App:
         jobs = await self.serving.make_jobs(parsed, ctx.request_id)
         ids = f"cmpl-{ctx.request_id}"
         if parsed.stream:
-            return self.sse(completion_stream(self.serving, ctx, parsed, jobs, ids))
+            return self.sse(completion_stream(self.serving, ctx, parsed, jobs, ids), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
         totals = usage(choices)
@@ -234,7 +279,7 @@ class App:
         jobs = await self.serving.make_jobs(parsed, ctx.request_id)
         resp_id = f"resp_{ctx.request_id}"
         if parsed.stream:
-            return self.sse(response_stream(self.serving, ctx, parsed, jobs, resp_id))
+            return self.sse(response_stream(self.serving, ctx, parsed, jobs, resp_id), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
         return self.json(response_body(self.serving, ctx, parsed, choices[0], resp_id))
@@ -252,7 +297,7 @@ class App:
         jobs = await self.serving.make_jobs(parsed, rid)
         with_text = _asks_for_text(parsed, body)
         if parsed.stream:
-            return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid, with_text))
+            return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid, with_text), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
         return self.json(generate_body(self.serving, ctx, choices[0], rid, with_text))
@@ -366,6 +411,7 @@ def build_app(engine: Any, config: ServerConfig) -> tuple[Any, App]:
     api.add_api_route(
         "/metrics", core.metrics_route, methods=["GET"], **openapi_docs.route_docs("metrics")
     )
+    vllm_routes.register(api, core)
     openapi_docs.install(api)
     # The generation routes are also dispatched directly by the middleware (same
     # handlers, same error handler), skipping the framework's per-request layers.

@@ -11,7 +11,10 @@ format. Invariants:
   client sent as ``X-Request-Id``;
 * problems caused by the request (too long a prompt, an undecodable image)
   raise :class:`~ec_frontend.entrypoints.errors.APIError` 400 before the
-  engine sees anything.
+  engine sees anything; the resource bounds of :mod:`~ec_frontend.entrypoints.limits`
+  are checked before any input is decoded or tokenized;
+* input processing runs in a bounded pool (429 with ``Retry-After`` when full),
+  and the engine requests in flight are bounded (429).
 """
 
 from __future__ import annotations
@@ -19,12 +22,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.errors import APIError
 from ec_frontend.entrypoints.jobs import Choice, Job, Timing, new_id
+from ec_frontend.entrypoints.limits import (
+    ProcessingPool,
+    ResourceLimits,
+    check_fanout,
+    check_media,
+    check_prompt_text,
+    too_busy,
+)
 from ec_frontend.entrypoints.sampling import build_sampling_params
 from ec_frontend.metrics import ServerMetrics
 
@@ -41,6 +52,20 @@ class ServingConfig:
     #: Run input processing (tokenizer, image processor) in a worker thread.
     offload_processing: bool = True
     vocab_size: int | None = None
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+
+
+#: The request field that an input error with this code is about.
+_PARAM_OF_CODE = {"invalid_processor_kwargs": "mm_processor_kwargs", "invalid_features": "features"}
+#: Engine failures of one request that its own input caused (answered 400, not 500).
+_INPUT_FAILURES: tuple[str, ...] = ("media item ", "prompt token id ", "the prompt ")
+
+
+def engine_failure(message: str) -> APIError:
+    """The HTTP error for an engine request that failed alone with ``message``."""
+    if message.startswith(_INPUT_FAILURES):
+        return APIError(400, f"the engine cannot serve this input: {message}", code="invalid_input")
+    return APIError(500, f"engine error: {message}", code="engine_error")
 
 
 class Serving:
@@ -52,6 +77,12 @@ class Serving:
         self.metrics = metrics
         self._active: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        limits = config.limits
+        self.pool = (
+            ProcessingPool(limits.processing_workers, limits.max_processing_queue)
+            if config.offload_processing
+            else None
+        )
 
     # ---------------------------------------------------------------- checks
 
@@ -81,37 +112,88 @@ class Serving:
 
     # ------------------------------------------------------------ processing
 
+    def check_limits(self, parsed: ParsedRequest) -> int:
+        """The request's resource bounds, checked before anything is decoded or
+        tokenized; the number of engine requests it becomes."""
+        limits = self.config.limits
+        count = check_fanout(parsed, limits)
+        check_prompt_text(parsed, limits, self.config.max_model_len)
+        self._check_token_count(parsed)
+        check_media(parsed.media, limits)
+        if len(self._active) + count > limits.max_engine_requests:
+            raise too_busy(
+                f"the server has {len(self._active)} engine requests in flight; at most "
+                f"{limits.max_engine_requests} are allowed (--max-engine-requests)",
+                "too_many_engine_requests",
+            )
+        return count
+
+    def _check_token_count(self, parsed: ParsedRequest) -> None:
+        limit = self.config.max_model_len
+        if parsed.endpoint == "generate":
+            lists: list[tuple[str, Any]] = [("token_ids", parsed.token_ids or [])]
+        elif parsed.endpoint == "completions":
+            prompts = parsed.prompts or []
+            lists = [("prompt" if len(prompts) == 1 else f"prompt[{i}]", p)
+                     for i, p in enumerate(prompts) if not isinstance(p, str)]  # fmt: skip
+        else:
+            return
+        for param, ids in lists:
+            if len(ids) >= limit:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(ids)} tokens; this model's maximum context "
+                    f"length is {limit} tokens",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+
     async def _process(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self.config.offload_processing:
-                return await asyncio.to_thread(fn, *args, **kwargs)
+            if self.pool is not None:
+                return await self.pool.run(fn, *args, **kwargs)
             return fn(*args, **kwargs)
         except APIError:
             raise
+        except MemoryError as exc:
+            raise APIError(
+                413,
+                "the request's inputs need more memory than this server can give them",
+                code="input_too_large",
+            ) from exc
         except (ValueError, OSError, IndexError) as exc:
             code = getattr(exc, "code", None)
+            code = code if isinstance(code, str) else "invalid_input"
             raise APIError(
                 400,
                 f"could not process the request inputs: {exc}",
-                code=code if isinstance(code, str) else "invalid_input",
+                param=_PARAM_OF_CODE.get(code),
+                code=code,
             ) from exc
+
+    async def process_chat(self, parsed: ParsedRequest) -> Any:
+        """A chat or responses request's model inputs, on the bounded processing pool.
+
+        The caller has checked the request's limits (:meth:`check_limits`).
+        """
+        return await self._process(
+            self.engine.processor.process_chat,
+            parsed.messages,
+            parsed.media,
+            add_generation_prompt=parsed.add_generation_prompt,
+            chat_template_kwargs=parsed.chat_template_kwargs,
+            mm_processor_kwargs=parsed.mm_processor_kwargs,
+        )
 
     async def make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
         """Process inputs and build one :class:`Job` per engine request."""
         processor = self.engine.processor
         endpoint = parsed.endpoint
         self._check_media(parsed)
+        self.check_limits(parsed)
         prompts: list[tuple[Any, str, str | None]] = []
         if endpoint in ("chat", "responses"):
-            inputs = await self._process(
-                processor.process_chat,
-                parsed.messages,
-                parsed.media,
-                add_generation_prompt=parsed.add_generation_prompt,
-                chat_template_kwargs=parsed.chat_template_kwargs,
-                mm_processor_kwargs=parsed.mm_processor_kwargs,
-            )
-            prompts.append((inputs, "messages", None))
+            prompts.append((await self.process_chat(parsed), "messages", None))
         elif endpoint == "completions":
             for i, prompt in enumerate(parsed.prompts or []):
                 inputs = await self._process(processor.process_prompt, prompt)
@@ -138,9 +220,16 @@ class Serving:
         for p, (inputs, _, text) in enumerate(prompts):
             for i in range(n):
                 rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
-                params = build_sampling_params(sampling, choice=i)
+                params = build_sampling_params(
+                    sampling, choice=i, vocab_size=self.config.vocab_size
+                )
                 jobs.append(Job(p * n + i, p, rid, inputs, params, text))
         return jobs
+
+    def shutdown(self) -> None:
+        """Stop the input-processing threads."""
+        if self.pool is not None:
+            self.pool.shutdown()
 
     def active_ids(self) -> list[str]:
         """Engine request ids in flight (the drain aborts these on timeout)."""

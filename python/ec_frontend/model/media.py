@@ -1,4 +1,9 @@
-"""Image bytes -> RGB PIL image, with every failure as an :class:`InputError`."""
+"""Image bytes -> RGB PIL image, with every failure as an :class:`InputError`.
+
+Only the decoders in ``formats`` are reachable (PNG, JPEG, WebP, GIF and BMP
+by default), and an image's size is read from its header and checked before
+any pixel is decoded, so a decompression bomb costs no memory.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,54 @@ from ec_frontend.model.errors import InputError
 
 #: Largest image (width x height) that is decoded; below PIL's bomb warning.
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+#: Pillow format names of the decoders a request may reach.
+DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+def _open(data: bytes, index: int, formats: tuple[str, ...]) -> Image.Image:
+    """The image with only its header read (Pillow decodes on ``load()``)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Image.open(io.BytesIO(data), formats=list(formats))
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"image {index} is too large: {exc}", code="image_too_large") from exc
+    except Image.UnidentifiedImageError as exc:
+        allowed = ", ".join(formats)
+        raise InputError(
+            f"image {index} is not an image in an allowed format ({allowed})",
+            code="invalid_image",
+        ) from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InputError(f"image {index} could not be read: {exc}", code="invalid_image") from exc
+
+
+def probe_image(
+    data: bytes, *, index: int, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+) -> tuple[str, int, int]:
+    """``(format, width, height)`` from the header of ``data``; nothing is decoded."""
+    if not data:
+        raise InputError(f"image {index} is empty", code="invalid_image")
+    image = _open(data, index, formats)
+    try:
+        width, height = image.size
+        return str(image.format), width, height
+    finally:
+        image.close()
 
 
 def decode_image(
-    data: bytes | None, *, index: int, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    data: bytes | None,
+    *,
+    index: int,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS,
 ) -> Image.Image:
-    """Decode ``data`` (any format PIL reads) into an RGB image.
+    """Decode ``data`` (one of ``formats``) into an RGB image.
 
     ``index`` names the media item in error messages. Raises :class:`InputError`
-    for missing, undecodable or oversized images.
+    for missing, undecodable or oversized images; the size is checked from the
+    header, before decoding.
     """
     if data is None:
         raise InputError(
@@ -28,22 +72,21 @@ def decode_image(
         )
     if not data:
         raise InputError(f"image {index} is empty", code="invalid_image")
+    image = _open(data, index, formats)
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise InputError(
+            f"image {index} is {width}x{height}, more than {max_pixels} pixels",
+            code="image_too_large",
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > max_pixels:
-                raise InputError(
-                    f"image {index} is {width}x{height}, more than {max_pixels} pixels",
-                    code="image_too_large",
-                )
             image.load()
             if image.mode == "P" or image.mode.endswith("A"):
                 image = image.convert("RGBA")
             return image.convert("RGB")
-    except InputError:
-        raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise InputError(
             f"image {index} could not be decoded: {exc}", code="invalid_image"

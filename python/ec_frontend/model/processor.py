@@ -29,7 +29,7 @@ from jinja2 import TemplateError
 from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
 
 from ec_frontend.model.errors import InputError
-from ec_frontend.model.media import DEFAULT_MAX_IMAGE_PIXELS, decode_image
+from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, decode_image
 from ec_frontend.model.mrope import mrope_positions
 
 __all__ = [
@@ -115,8 +115,30 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.model_id = model_id
         self.max_image_pixels = max_image_pixels
+        self.image_formats = DEFAULT_IMAGE_FORMATS
+        min_pixels, max_pixels = _processor_pixel_range(image_processor)
+        #: ``mm_processor_kwargs`` pixel values a request may ask for (the checkpoint's range).
+        self.processor_pixel_range = (min_pixels, max_pixels)
         # Hugging Face tokenizers are not safe to call from several threads at once.
         self._lock = threading.Lock()
+
+    def configure_media(
+        self,
+        *,
+        max_image_pixels: int | None = None,
+        formats: Sequence[str] | None = None,
+        max_processor_pixels: int | None = None,
+    ) -> None:
+        """Server limits: pixels per decoded image, the decoders a request may reach,
+        and the largest ``mm_processor_kwargs`` pixel count (default: the checkpoint's
+        ``max_pixels``)."""
+        if max_image_pixels is not None:
+            self.max_image_pixels = max_image_pixels
+        if formats is not None:
+            self.image_formats = tuple(formats)
+        if max_processor_pixels is not None:
+            low, _ = self.processor_pixel_range
+            self.processor_pixel_range = (min(low, max_processor_pixels), max_processor_pixels)
 
     @classmethod
     def from_pretrained(
@@ -150,6 +172,7 @@ class InputProcessor:
         """Render ``messages`` (parts ``text`` / ``image`` with ``media_index``),
         tokenize, and expand each image's placeholder."""
         order = _image_order(messages, len(media))
+        size = self._processor_size(mm_processor_kwargs) if order else None
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if reserved:
@@ -174,7 +197,7 @@ class InputProcessor:
                 f"{len(order)} images (is an image token written in the text?)",
                 code="placeholder_mismatch",
             )
-        images = iter([self._image(media[i], i, mm_processor_kwargs) for i in order])
+        images = iter([self._image(media[i], i, size) for i in order])
         out_ids: list[int] = []
         features: list[MultiModalFeature] = []
         for token in ids:
@@ -257,44 +280,69 @@ class InputProcessor:
                 )
         return ids
 
+    def _processor_size(self, kwargs: Mapping[str, Any] | None) -> dict[str, int] | None:
+        """The image processor's ``size`` for ``mm_processor_kwargs``, checked against the
+        checkpoint's pixel range before any image is decoded; ``None`` for the defaults."""
+        if not kwargs:
+            return None
+        unknown = sorted(set(kwargs) - _PROCESSOR_KWARGS)
+        if unknown:
+            raise InputError(
+                f"unsupported mm_processor_kwargs {unknown}; allowed: {sorted(_PROCESSOR_KWARGS)}",
+                code="invalid_processor_kwargs",
+            )
+        low, high = self.processor_pixel_range
+        size = dict(self.image_processor.size)
+        for key, target in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            value = kwargs.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(
+                    f"mm_processor_kwargs.{key} must be a positive integer",
+                    code="invalid_processor_kwargs",
+                )
+            if not low <= value <= high:
+                raise InputError(
+                    f"mm_processor_kwargs.{key} is {value}; this model accepts {low} to {high} "
+                    "pixels",
+                    code="invalid_processor_kwargs",
+                )
+            size[target] = value
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise InputError(
+                "mm_processor_kwargs: min_pixels exceeds max_pixels",
+                code="invalid_processor_kwargs",
+            )
+        return size
+
     def _image(
-        self, item: MediaLike, index: int, kwargs: Mapping[str, Any] | None
+        self, item: MediaLike, index: int, size: dict[str, int] | None
     ) -> tuple[str, tuple[int, int, int], torch.Tensor]:
-        image = decode_image(item.data, index=index, max_pixels=self.max_image_pixels)
-        call_kwargs: dict[str, Any] = {}
-        if kwargs:
-            unknown = sorted(set(kwargs) - _PROCESSOR_KWARGS)
-            if unknown:
-                raise InputError(
-                    f"unsupported mm_processor_kwargs {unknown}; allowed: "
-                    f"{sorted(_PROCESSOR_KWARGS)}",
-                    code="invalid_processor_kwargs",
-                )
-            size = dict(self.image_processor.size)
-            for key, target in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-                value = kwargs.get(key)
-                if value is None:
-                    continue
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise InputError(
-                        f"mm_processor_kwargs.{key} must be a positive integer",
-                        code="invalid_processor_kwargs",
-                    )
-                size[target] = value
-            if size["shortest_edge"] > size["longest_edge"]:
-                raise InputError(
-                    "mm_processor_kwargs: min_pixels exceeds max_pixels",
-                    code="invalid_processor_kwargs",
-                )
-            call_kwargs["size"] = size
+        image = decode_image(
+            item.data, index=index, max_pixels=self.max_image_pixels, formats=self.image_formats
+        )
+        call_kwargs: dict[str, Any] = {} if size is None else {"size": size}
         try:
             out = self.image_processor(images=[image], return_tensors="pt", **call_kwargs)
         except ValueError as exc:
             raise InputError(
                 f"image {index} cannot be processed: {exc}", code="invalid_image"
             ) from exc
+        finally:
+            image.close()
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return item.mm_hash, (t, h, w), out["pixel_values"].to(torch.float32)
+
+
+def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:
+    """``(min_pixels, max_pixels)`` of the checkpoint's preprocessor config."""
+    size = getattr(image_processor, "size", None) or {}
+    low = size.get("shortest_edge") or getattr(image_processor, "min_pixels", None)
+    high = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
+    if not low or not high:
+        raise ValueError("the image processor has no min_pixels / max_pixels")
+    return int(low), int(high)
 
 
 def _image_order(messages: Sequence[Mapping[str, Any]], num_media: int) -> list[int]:

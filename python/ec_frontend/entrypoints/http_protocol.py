@@ -1,0 +1,208 @@
+"""uvicorn's httptools protocol with the limits it lacks: head size, URL size, head
+timeout and a connection cap.
+
+uvicorn (checked by experiment with httptools) accepts a request head of any
+size (httptools gathers a header value whole, so a huge one is also parsed in
+quadratic time), a URL of any length, and a connection that never sends a
+byte stays open for ever. :func:`hardened_protocol` returns a subclass of its
+``HttpToolsProtocol`` that
+
+* answers 414 when the request target exceeds ``max_url_bytes`` and 431 when
+  the head (request line and headers) exceeds ``max_header_bytes``, counting
+  bytes as they arrive, so an oversized head is never buffered whole;
+* closes a connection whose request head is not complete ``header_timeout_s``
+  after its first byte (408) or, for a new connection, after it opened
+  (silently: it never asked for anything);
+* keeps at most ``max_connections`` open: a new connection over the cap
+  closes the longest-quiet connection that has no request running, or, when
+  every one is busy, is answered 503 and closed.
+
+Keep-alive idle time is uvicorn's own ``timeout_keep_alive``; the body's read
+deadline is the app's (``ServerConfig.body_timeout_s``), which can answer 408.
+Every refusal is counted in ``ec_frontend_http_connections_refused_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.metrics import Counter
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Connection-level limits of one server (each a ``serve`` / ``proxy`` flag)."""
+
+    max_header_bytes: int = 32 * 1024
+    max_url_bytes: int = 8 * 1024
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 30.0
+    max_connections: int = 4096
+
+
+class _Refusal(Exception):
+    """Raised inside a parser callback to stop parsing; the protocol answers it."""
+
+
+_MESSAGES = {
+    408: ("request_timeout", "the request head did not arrive in time"),
+    414: ("uri_too_long", "the request URL exceeds {limit} bytes"),
+    431: ("request_header_fields_too_large", "the request headers exceed {limit} bytes"),
+    503: ("too_many_connections", "the server has too many open connections; retry later"),
+}
+
+
+def _raw_error(status: int, limit: int = 0) -> bytes:
+    code, message = _MESSAGES[status]
+    body = error_body(status, message.format(limit=limit), None, code)
+    head = [
+        STATUS_LINE[status],
+        b"content-type: application/json\r\n",
+        b"content-length: " + str(len(body)).encode() + b"\r\n",
+        b"connection: close\r\n",
+    ]
+    if status == 503:
+        head.append(b"retry-after: 1\r\n")
+    return b"".join([*head, b"\r\n", body])
+
+
+def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[HttpToolsProtocol]:
+    """An ``HttpToolsProtocol`` subclass bound to ``limits``; ``refused`` counts by reason."""
+
+    def count(reason: str) -> None:
+        refused.inc((reason,))
+
+    class HardenedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._reading_head = True
+            self._head_bytes = 0
+            self._header_bytes = 0
+            self._head_timer: asyncio.TimerHandle | None = None
+            self._refusal: tuple[int, str, int] | None = None
+            self._last_active = time.monotonic()
+
+        # ---- connection -----------------------------------------------------
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections and not self._evict_one():
+                count("connection_cap")
+                self._refuse(503)
+                return
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def _busy(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _evict_one(self) -> bool:
+            """Close the longest-quiet connection without a running request."""
+            idle = [
+                c
+                for c in self.connections
+                if c is not self and isinstance(c, HardenedHttpToolsProtocol) and not c._busy()
+            ]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda c: c._last_active)
+            count("evicted_idle")
+            victim.transport.close()
+            return True
+
+        # ---- head limits ----------------------------------------------------
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_timeout)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self._head_bytes == 0 or self._busy():
+                count("idle_timeout")
+                self.transport.close()
+                return
+            count("header_timeout")
+            self._refuse(408)
+
+        def _refuse(self, status: int, limit: int = 0) -> None:
+            self._cancel_head_timer()
+            if not self._busy():
+                self.transport.write(_raw_error(status, limit))
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.transport.is_closing():
+                return
+            self._last_active = time.monotonic()
+            if self._reading_head:
+                if self._head_bytes == 0 and self._head_timer is None:
+                    self._arm_head_timer()
+                self._head_bytes += len(data)
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            except httptools.HttpParserError:
+                if self._refusal is not None:
+                    status, reason, limit = self._refusal
+                    count(reason)
+                    self._refuse(status, limit)
+                    return
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+                return
+            if self._reading_head and self._head_bytes > limits.max_header_bytes:
+                count("header_too_large")
+                self._refuse(431, limits.max_header_bytes)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._header_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            if len(self.url) > limits.max_url_bytes:
+                self._refusal = (414, "url_too_long", limits.max_url_bytes)
+                raise _Refusal
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_bytes += len(name) + len(value) + 4
+            if self._header_bytes > limits.max_header_bytes:
+                self._refusal = (431, "header_too_large", limits.max_header_bytes)
+                raise _Refusal
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._reading_head = False
+            self._cancel_head_timer()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._reading_head = True
+            self._head_bytes = 0
+
+    return HardenedHttpToolsProtocol
