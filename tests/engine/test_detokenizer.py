@@ -67,3 +67,42 @@ def test_stream_never_emits_text_it_must_retract(tok: Any, stop: str) -> None:
         emitted += piece
         assert final.startswith(emitted)
     assert emitted == detok.text == final
+
+
+def _ids_cut_inside_last_char(tok: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without its last token, so the last character is incomplete."""
+    ids = tok(text, add_special_tokens=False)["input_ids"][:-1]
+    assert tok.decode(ids).endswith("\ufffd")
+    return ids
+
+
+@pytest.mark.parametrize("text", ["ab✓", "漢字"])
+def test_incomplete_character_is_flushed_when_the_request_finishes(tok: Any, text: str) -> None:
+    ids = _ids_cut_inside_last_char(tok, text)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    emitted = ""
+    for token in ids[:-1]:
+        assert detok.update([token]) is None
+        emitted += detok.take_delta(False)
+    assert "\ufffd" not in emitted
+    assert detok.update([ids[-1]], finished=True) is None
+    emitted += detok.take_delta(True)
+    assert emitted == detok.text == tok.decode(ids)
+
+
+def test_incomplete_character_is_held_while_the_request_runs(tok: Any) -> None:
+    ids = _ids_cut_inside_last_char(tok, "ab✓")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert detok.update(ids) is None
+    assert detok.take_delta(False) == "ab"
+    assert detok.update([], finished=True) is None
+    assert detok.take_delta(True) == tok.decode(ids)[2:]
+
+
+def test_stop_string_in_flushed_text(tok: Any) -> None:
+    ids = _ids_cut_inside_last_char(tok, "ab✓")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["\ufffd"]))
+    assert detok.update(ids) is None
+    assert detok.update([], finished=True) == "\ufffd"
+    assert detok.text == "ab"
+    assert detok.update([1], finished=True) is None

@@ -47,3 +47,27 @@ def test_greedy_and_penalties_flags() -> None:
     assert SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams().has_penalties
     assert SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+def test_seed_minus_one_is_no_seed() -> None:
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams.from_dict({"seed": -1}).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(seed=0).seed == 0
+
+
+def test_seed_minus_one_stays_unseeded_for_every_choice() -> None:
+    from ec_frontend.entrypoints.sampling import build_sampling_params
+
+    assert [build_sampling_params({"seed": -1}, choice=i).seed for i in range(3)] == [None] * 3
+    assert [build_sampling_params({"seed": 5}, choice=i).seed for i in range(3)] == [5, 6, 7]
+
+
+def test_stop_token_ids_outside_the_vocabulary() -> None:
+    params = SamplingParams(stop_token_ids=[3, 99, 100, 7])
+    params.check_vocab(101)
+    for vocab, bad in ((100, "[100]"), (99, "[99, 100]")):
+        with pytest.raises(SamplingParamsError) as info:
+            params.check_vocab(vocab)
+        assert info.value.param == "stop_token_ids"
+        assert bad in info.value.message

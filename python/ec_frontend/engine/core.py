@@ -232,7 +232,7 @@ class EngineCore:
         state = self._states.get(co.request_id)
         text = ""
         if state is not None and state.detokenizer is not None:
-            stop = state.detokenizer.update(co.new_token_ids)
+            stop = state.detokenizer.update(co.new_token_ids, co.finished)
             if stop is not None:
                 if not co.finished:
                     for final in self.scheduler.finish_requests(

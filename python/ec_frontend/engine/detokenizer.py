@@ -34,28 +34,40 @@ class IncrementalDetokenizer:
         self._stopped = False
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
         """Append tokens; returns the stop string that matched, if any.
 
-        After a match, later calls add nothing.
+        Text whose decoding ends in U+FFFD (an incomplete multi-byte character)
+        waits for the next token; with ``finished`` (the request ends with these
+        tokens) it is taken as it is, replacement character included, so no
+        generated text is lost. After a match, later calls add nothing.
         """
         for token in new_token_ids:
             if self._stopped:
                 return None
             self._ids.append(token)
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset :])
-            if len(full) <= len(prefix) or full.endswith("\ufffd"):
-                continue
-            checked = len(self.text)
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            stop = self._find_stop(checked)
+            stop = self._advance(final=False)
             if stop is not None:
-                self._stopped = True
                 return stop
+        if finished and not self._stopped and self._read_offset < len(self._ids):
+            return self._advance(final=True)
         return None
+
+    def _advance(self, final: bool) -> str | None:
+        """Move decoded text of the pending tokens into :attr:`text` when complete
+        (or ``final``); returns a stop string found in it."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return None
+        checked = len(self.text)
+        self.text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        stop = self._find_stop(checked)
+        if stop is not None:
+            self._stopped = True
+        return stop
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet emitted; holds back a possible stop-string prefix unless finished."""

@@ -14,6 +14,8 @@ from typing import Any
 
 #: Temperatures below this are treated as greedy.
 GREEDY_EPSILON = 1e-5
+#: A ``seed`` of -1 means "no seed" (vLLM's convention).
+NO_SEED = -1
 
 
 class SamplingParamsError(ValueError):
@@ -33,6 +35,7 @@ class SamplingParams:
     ``top_p == 1`` disable those filters. ``logprobs`` is the number of top
     alternatives returned per sampled token (``None``: no logprobs).
     ``prompt_logprobs`` must be ``None``: the engine does not compute them.
+    ``seed=-1`` (:data:`NO_SEED`) is taken as no seed, as vLLM does.
     """
 
     max_tokens: int | None = 16
@@ -55,6 +58,8 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if type(self.seed) is int and self.seed == NO_SEED:
+            self.seed = None
         self.validate()
 
     @classmethod
@@ -116,6 +121,20 @@ class SamplingParams:
             _check_int(tok, f"stop_token_ids[{i}]", minimum=0)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise SamplingParamsError("extra_args must be an object", "extra_args")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise :class:`SamplingParamsError` for token ids outside ``[0, vocab_size)``.
+
+        Called where the model's vocabulary is known (vLLM checks the same
+        bound: the width of the logits).
+        """
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                f"token id(s) {bad} in stop_token_ids are outside the vocabulary "
+                f"(0 to {vocab_size - 1})",
+                "stop_token_ids",
+            )
 
 
 def _check_int(value: object, param: str, *, minimum: int | None, optional: bool = False) -> None:

@@ -146,11 +146,15 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     """SSE chunks shared by both streamed APIs, ending with ``data: [DONE]``.
 
-    ``opening`` choices are sent first, one chunk each. For every engine output
-    that carries text, logprobs or the finish, ``fields(choice, output)`` gives
-    the API-specific keys placed between ``index`` and ``finish_reason``; it is
-    called once per such output, in stream order. The finishing chunk of a
-    choice also carries its ``stop_reason`` and transfer params.
+    ``opening`` choices are sent first, one chunk each. Then, as vLLM does, one
+    chunk per engine output that generated tokens, even when their text is empty
+    (a special token, or text held back for a stop string or an incomplete
+    character), or that carries text, logprobs or the finish; outputs with none
+    of these (progress of a chunked prefill) send nothing. ``fields(choice,
+    output)`` gives the API-specific keys placed between ``index`` and
+    ``finish_reason``; it is called once per chunk, in stream order. The
+    finishing chunk of a choice also carries its ``stop_reason`` and transfer
+    params.
     """
     usage_on = parsed.include_usage
     base: dict[str, Any] = {
@@ -178,7 +182,7 @@ async def _stream(
             return
         seen[c.index] = c
         finished = out.finished
-        if not out.text and not finished and not out.logprobs:
+        if not (out.token_ids or out.text or out.logprobs or finished):
             continue
         choice = {
             "index": c.index,
@@ -214,8 +218,11 @@ def chat_stream(
     ]
 
     def fields(c: Choice, out: Any) -> dict[str, Any]:
+        # vLLM's delta: the text, even when empty; ``{}`` only for a choice that
+        # finishes without having generated anything (an abort before the first token).
+        produced = bool(out.text or c.token_ids)
         return {
-            "delta": {"content": out.text} if out.text else {},
+            "delta": {"content": out.text} if produced else {},
             "logprobs": chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs else None,
         }
 
@@ -227,28 +234,18 @@ def completion_stream(
 ) -> AsyncIterator[bytes]:
     """SSE chunks of a streamed completion, ending with ``data: [DONE]``.
 
-    With ``echo`` each prompt opens its choice, and logprob text offsets count from its end.
+    With ``echo``, as in vLLM, a choice's first chunk carries its prompt text
+    followed by the first generated text, and logprob text offsets count from
+    the end of the prompt.
     """
-    offsets = {j.index: 0 for j in jobs}
-    opening: list[dict[str, Any]] = []
-    if parsed.echo:
-        for j in jobs:
-            if j.prompt_text:
-                offsets[j.index] = len(j.prompt_text)
-                opening.append(
-                    {
-                        "index": j.index,
-                        "text": j.prompt_text,
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
+    echo = {j.index: j.prompt_text for j in jobs if parsed.echo and j.prompt_text}
+    offsets = {j.index: len(echo.get(j.index, "")) for j in jobs}
 
     def fields(c: Choice, out: Any) -> dict[str, Any]:
         logprobs = None
         if out.logprobs:
             logprobs = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[c.index])
         offsets[c.index] += len(out.text)
-        return {"text": out.text, "logprobs": logprobs}
+        return {"text": echo.pop(c.index, "") + out.text, "logprobs": logprobs}
 
-    return _stream(serving, ctx, parsed, jobs, ids, "text_completion", opening, fields)
+    return _stream(serving, ctx, parsed, jobs, ids, "text_completion", [], fields)

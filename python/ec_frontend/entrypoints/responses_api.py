@@ -2,8 +2,9 @@
 
 Non-stream: a ``response`` object. Stream: named SSE events
 ``response.created``, ``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta`` (one per text
-delta), ``response.output_text.done``, ``response.content_part.done``,
+``response.content_part.added``, ``response.output_text.delta`` (one per engine
+step that generated tokens, with ``""`` when their text is empty: see
+``docs/compatibility.md``), ``response.output_text.done``, ``response.content_part.done``,
 ``response.output_item.done`` and ``response.completed``, then ``data: [DONE]``.
 The ``response`` objects carry ``kv_transfer_params`` / ``ec_transfer_params``
 at the top level (``null`` until known); the completed one has the final values.
@@ -138,7 +139,7 @@ async def response_stream(
             yield event("error", body)
             yield DONE
             return
-        if out.text:
+        if out.text or out.token_ids:
             yield event("response.output_text.delta", {**loc, "delta": out.text, "logprobs": []})
         if out.finished:
             final = c
