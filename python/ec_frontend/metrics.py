@@ -117,6 +117,16 @@ class Histogram:
         yield f"{self.name}_count {self.count}"
 
 
+def refused_connections() -> Counter:
+    """``http_connections_refused_total{reason}``: connections the HTTP limits closed."""
+    return Counter(
+        PREFIX + "http_connections_refused_total",
+        "Connections closed by the HTTP limits (head size or timeout, URL size, "
+        "connection cap), by reason.",
+        ("reason",),
+    )
+
+
 class ServerMetrics:
     """What the HTTP layer measures itself."""
 
@@ -142,12 +152,7 @@ class ServerMetrics:
             PREFIX + "requests_aborted_total",
             "Engine requests aborted because the client went away or the server drained.",
         )
-        self.refused = Counter(
-            PREFIX + "http_connections_refused_total",
-            "Connections closed by the HTTP limits (head size or timeout, URL size, "
-            "connection cap), by reason.",
-            ("reason",),
-        )
+        self.refused = refused_connections()
         self.in_flight = 0
 
     def render(self) -> Iterable[str]:

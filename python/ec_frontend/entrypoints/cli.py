@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from ec_frontend.entrypoints.http_protocol import HttpLimits
+from ec_frontend.entrypoints.http_protocol import add_http_args, http_limits, limits_group
 from ec_frontend.entrypoints.launcher import ServeOptions, serve
 from ec_frontend.entrypoints.limits import ResourceLimits
 from ec_frontend.entrypoints.proxy_cli import add_proxy_args, add_transfer_trust_args, run_proxy
@@ -118,20 +118,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_http_args(p)
 
 
-#: A flag of a limits group: (flag, type, default, help); help may use ``%(default)s``.
-Flag = tuple[str, type, object, str]
-
-
-def _limits_group(p: argparse.ArgumentParser, title: str, flags: Sequence[Flag]) -> None:
-    group = p.add_argument_group(title)
-    for flag, kind, default, text in flags:
-        group.add_argument(flag, type=kind, default=default, help=text)
-
-
 def add_limit_args(p: argparse.ArgumentParser) -> None:
     """Per-request resource bounds (``docs/security.md``, "HTTP and resource limits")."""
     d = ResourceLimits()
-    _limits_group(p, "resource limits", [
+    limits_group(p, "resource limits", [
         ("--max-media-items", int, d.max_media_items,
          "media items per request (default %(default)s)"),
         ("--max-image-pixels", int, d.max_image_pixels,
@@ -155,37 +145,6 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         ("--max-processing-queue", int, d.max_processing_queue,
          "requests waiting for a processing thread; over it, 429 (default %(default)s)"),
     ])  # fmt: skip
-
-
-def add_http_args(p: argparse.ArgumentParser) -> None:
-    """Connection-level limits (the hardened HTTP protocol and the body deadline)."""
-    d = HttpLimits()
-    _limits_group(p, "HTTP limits", [
-        ("--max-header-bytes", int, d.max_header_bytes,
-         "request line and headers; over it, 431 (default %(default)s)"),
-        ("--max-url-bytes", int, d.max_url_bytes,
-         "request URL; over it, 414 (default %(default)s)"),
-        ("--header-timeout", float, d.header_timeout_s,
-         "seconds for a request head to arrive, and for a new connection to send one "
-         "(default %(default)s)"),
-        ("--body-timeout", float, 60.0,
-         "seconds for a request body to arrive; over it, 408 (default %(default)s)"),
-        ("--keep-alive-timeout", float, d.keep_alive_timeout_s,
-         "seconds an idle keep-alive connection stays open (default %(default)s)"),
-        ("--max-connections", int, 0,
-         "open connections; a new one over the cap closes the quietest idle one "
-         "(default: below the open-file limit, at most 10000)"),
-    ])  # fmt: skip
-
-
-def http_limits(args: argparse.Namespace) -> HttpLimits:
-    return HttpLimits(
-        max_header_bytes=args.max_header_bytes,
-        max_url_bytes=args.max_url_bytes,
-        header_timeout_s=args.header_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout,
-        max_connections=args.max_connections,
-    )
 
 
 def resource_limits(args: argparse.Namespace) -> ResourceLimits:

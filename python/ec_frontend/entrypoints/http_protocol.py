@@ -24,13 +24,15 @@ Every refusal is counted in ``ec_frontend_http_connections_refused_total{reason}
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import http
+import importlib.util
+import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ec_frontend.entrypoints.errors import error_body
 from ec_frontend.metrics import Counter
@@ -63,7 +65,7 @@ def _raw_error(status: int, limit: int = 0) -> bytes:
     code, message = _MESSAGES[status]
     body = error_body(status, message.format(limit=limit), None, code)
     head = [
-        STATUS_LINE[status],
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode(),
         b"content-type: application/json\r\n",
         b"content-length: " + str(len(body)).encode() + b"\r\n",
         b"connection: close\r\n",
@@ -73,8 +75,13 @@ def _raw_error(status: int, limit: int = 0) -> bytes:
     return b"".join([*head, b"\r\n", body])
 
 
-def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[HttpToolsProtocol]:
-    """An ``HttpToolsProtocol`` subclass bound to ``limits``; ``refused`` counts by reason."""
+def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Protocol]:
+    """An ``HttpToolsProtocol`` subclass bound to ``limits``; ``refused`` counts by reason.
+
+    Needs ``httptools`` (:func:`uvicorn_http_settings` falls back to h11 without it).
+    """
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     def count(reason: str) -> None:
         refused.inc((reason,))
@@ -206,3 +213,80 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[HttpToolsPro
             self._head_bytes = 0
 
     return HardenedHttpToolsProtocol
+
+
+#: Descriptors kept free of client connections (engine, connectors, logs).
+_RESERVED_FDS = 256
+
+
+def connection_cap(requested: int) -> int:
+    """``requested``, or when 0 a cap below the open-file limit (raised to its hard
+    maximum first), so that idle connections can never exhaust descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if requested > 0:
+        return requested
+    if soft == resource.RLIM_INFINITY:
+        return 10_000
+    return max(16, min(10_000, soft - _RESERVED_FDS))
+
+
+def uvicorn_http_settings(limits: HttpLimits, refused: Counter) -> dict[str, Any]:
+    """uvicorn settings for ``limits``: the hardened httptools protocol, or h11 with
+    its own head-size bound (answered 400, not 431) where httptools is missing."""
+    settings: dict[str, Any] = {
+        "timeout_keep_alive": limits.keep_alive_timeout_s,
+        "timeout_graceful_shutdown": 1,
+    }
+    if importlib.util.find_spec("httptools") is not None:
+        settings["http"] = hardened_protocol(limits, refused)
+    else:
+        settings["http"] = "h11"
+        settings["h11_max_incomplete_event_size"] = limits.max_header_bytes
+    return settings
+
+
+#: A flag of a limits group: (flag, type, default, help); help may use ``%(default)s``.
+Flag = tuple[str, type, object, str]
+
+
+def limits_group(p: argparse.ArgumentParser, title: str, flags: Sequence[Flag]) -> None:
+    group = p.add_argument_group(title)
+    for flag, kind, default, text in flags:
+        group.add_argument(flag, type=kind, default=default, help=text)
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """Connection-level limits (the hardened HTTP protocol and the body deadline)."""
+    d = HttpLimits()
+    limits_group(p, "HTTP limits", [
+        ("--max-header-bytes", int, d.max_header_bytes,
+         "request line and headers; over it, 431 (default %(default)s)"),
+        ("--max-url-bytes", int, d.max_url_bytes,
+         "request URL; over it, 414 (default %(default)s)"),
+        ("--header-timeout", float, d.header_timeout_s,
+         "seconds for a request head to arrive, and for a new connection to send one "
+         "(default %(default)s)"),
+        ("--body-timeout", float, 60.0,
+         "seconds for a request body to arrive; over it, 408 (default %(default)s)"),
+        ("--keep-alive-timeout", float, d.keep_alive_timeout_s,
+         "seconds an idle keep-alive connection stays open (default %(default)s)"),
+        ("--max-connections", int, 0,
+         "open connections; a new one over the cap closes the quietest idle one "
+         "(default: below the open-file limit, at most 10000)"),
+    ])  # fmt: skip
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(
+        max_header_bytes=args.max_header_bytes,
+        max_url_bytes=args.max_url_bytes,
+        header_timeout_s=args.header_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+    )

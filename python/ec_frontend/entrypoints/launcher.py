@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import time
 from dataclasses import dataclass, field, replace
 from types import FrameType
@@ -21,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from ec_frontend.entrypoints.http_protocol import HttpLimits, hardened_protocol
+from ec_frontend.entrypoints.http_protocol import HttpLimits, connection_cap, uvicorn_http_settings
 from ec_frontend.entrypoints.limits import ResourceLimits
 from ec_frontend.entrypoints.server import App, ServerConfig, build_app
 
@@ -61,27 +60,6 @@ class ServeOptions:
     max_engine_requests: int | None = None
     public_metrics: bool = False
     public_docs: bool = False
-
-
-#: Descriptors kept free of client connections (engine, connectors, logs).
-_RESERVED_FDS = 256
-
-
-def connection_cap(requested: int) -> int:
-    """``requested``, or when 0 a cap below the open-file limit (raised to its hard
-    maximum first), so that idle connections can never exhaust descriptors."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    if requested > 0:
-        return requested
-    if soft == resource.RLIM_INFINITY:
-        return 10_000
-    return max(16, min(10_000, soft - _RESERVED_FDS))
 
 
 class StartupError(Exception):
@@ -212,21 +190,6 @@ def serve(opts: ServeOptions) -> int:
     return 0
 
 
-def uvicorn_http_settings(http: HttpLimits, refused: Any) -> dict[str, Any]:
-    """uvicorn settings for ``http``: the hardened httptools protocol, or h11 with
-    its own head-size bound (answered 400, not 431) where httptools is missing."""
-    settings: dict[str, Any] = {
-        "timeout_keep_alive": http.keep_alive_timeout_s,
-        "timeout_graceful_shutdown": 1,
-    }
-    if _pick("httptools", "h11") == "httptools":
-        settings["http"] = hardened_protocol(http, refused)
-    else:
-        settings["http"] = "h11"
-        settings["h11_max_incomplete_event_size"] = http.max_header_bytes
-    return settings
-
-
 def _pick(preferred: str, fallback: str) -> str:
     try:
         __import__(preferred)
@@ -239,7 +202,5 @@ __all__ = [
     "ServeOptions",
     "StartupError",
     "build_engine",
-    "connection_cap",
     "serve",
-    "uvicorn_http_settings",
 ]

@@ -17,6 +17,11 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    (or, with no prefill stage, the ec params) and decode's answer, streamed or
    not, is passed back unchanged.
 
+Limits (each a flag): the body is read up to ``max_body_bytes`` (413 beyond,
+408 when it does not arrive within ``body_timeout_s``), a chat request carries
+at most ``max_media_items`` image parts (400), and one request has at most
+``max_encoder_fanout`` encoder requests in flight at once.
+
 One ``X-Request-Id`` (the client's, or a fresh one) travels to every stage
 (each instance makes its own engine ids unique) and comes back. An error from
 an instance is passed back with its status (a client error from an encoder stops
@@ -39,6 +44,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ec_frontend.entrypoints.proxy_metrics import ProxyMetrics
 
@@ -63,6 +69,10 @@ class ProxyConfig:
     encoder_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     max_connections: int = 512
+    max_body_bytes: int = 64 * 1024 * 1024
+    body_timeout_s: float = 60.0
+    max_media_items: int = 32
+    max_encoder_fanout: int = 8
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -100,6 +110,51 @@ def check_body(endpoint: str, body: dict[str, Any], disaggregated: bool) -> tupl
         param = "sampling_params.n" if endpoint == "generate" else "n"
         return "n must be 1 when prefill and decode run on separate instances", param
     return None
+
+
+def count_media_parts(body: dict[str, Any]) -> int:
+    """Image parts of a chat body, duplicates included."""
+    count = 0
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            count += isinstance(part, dict) and part.get("type") == "image_url"
+    return count
+
+
+class ClientError(Exception):
+    """A request the proxy refuses itself (its status and OpenAI error body)."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(status, message, code, param)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, bounded in size (413) and arrival time (408)."""
+    too_large = ClientError(
+        413, f"request body exceeds the limit of {limit} bytes", "request_too_large"
+    )
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        message = f"the request body did not arrive within {timeout_s:g} s"
+        raise ClientError(408, message, "body_timeout") from None
+    except ClientDisconnect:
+        raise ClientError(499, "client disconnected", "client_disconnected") from None
+    return b"".join(chunks)
 
 
 def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
@@ -233,7 +288,13 @@ class Proxy:
         if not parts or not self.config.encode_urls:
             return {}, False
         started = time.perf_counter()
-        results = await asyncio.gather(*(self._encode_one(body, p, headers) for p in parts))
+        fanout = asyncio.Semaphore(self.config.max_encoder_fanout)
+
+        async def encode_one(part: dict[str, Any]) -> dict[str, Any] | None:
+            async with fanout:
+                return await self._encode_one(body, part, headers)
+
+        results = await asyncio.gather(*(encode_one(p) for p in parts))
         merged: dict[str, Any] = {}
         for params in results:
             merged.update(params or {})
@@ -243,6 +304,10 @@ class Proxy:
             self.metrics.encoder_fallbacks.inc()
         return merged, fell_back
 
+    def _refuse(self, endpoint: str, exc: ClientError, headers: dict[str, str]) -> Response:
+        self.metrics.requests.inc((endpoint, str(exc.status)))
+        return Response(exc.body, exc.status, headers, "application/json")
+
     async def handle(self, endpoint: str, path: str, request: Request) -> Response:
         rid = _request_id(request.headers.get("x-request-id"))
         headers = {"x-request-id": rid, "content-type": "application/json"}
@@ -251,7 +316,10 @@ class Proxy:
             headers["authorization"] = auth
         out_headers = {"x-request-id": rid}
         try:
-            body = orjson.loads(await request.body())
+            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
+            body = orjson.loads(raw)
+        except ClientError as exc:
+            return self._refuse(endpoint, exc, {**out_headers, "connection": "close"})
         except orjson.JSONDecodeError as exc:
             body, problem = None, f"the body is not valid JSON: {exc}"
         else:
@@ -266,6 +334,14 @@ class Proxy:
             message, param = problem_param
             content = error_body(400, message, "invalid_value", param)
             return Response(content, 400, out_headers, "application/json")
+        items = count_media_parts(body)
+        if items > self.config.max_media_items:
+            message = (
+                f"the request has {items} image parts; at most {self.config.max_media_items} "
+                "are allowed (--max-media-items)"
+            )
+            refusal = ClientError(400, message, "too_many_media_items", "messages")
+            return self._refuse(endpoint, refusal, out_headers)
         try:
             response = await self._route(endpoint, path, body, headers, out_headers)
         except UpstreamError as exc:

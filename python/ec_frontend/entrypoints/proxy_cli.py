@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import replace
 
+from ec_frontend.entrypoints.http_protocol import (
+    add_http_args,
+    connection_cap,
+    http_limits,
+    limits_group,
+    uvicorn_http_settings,
+)
 from ec_frontend.entrypoints.proxy import ProxyConfig, build_proxy_app
 
 log = logging.getLogger("ec_frontend.proxy")
@@ -21,6 +29,16 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--encoder-timeout", type=float, default=120.0, help="seconds per encoder request"
     )
+    d = ProxyConfig(encode_urls=(), decode_urls=("http://unused",))
+    limits_group(p, "proxy limits", [
+        ("--max-body-bytes", int, d.max_body_bytes,
+         "largest accepted request body; larger ones get 413 (default %(default)s)"),
+        ("--max-media-items", int, d.max_media_items,
+         "image parts per request; more get 400 (default %(default)s)"),
+        ("--max-encoder-fanout", int, d.max_encoder_fanout,
+         "encoder requests in flight per client request (default %(default)s)"),
+    ])  # fmt: skip
+    add_http_args(p)
     p.add_argument(
         "--log-level",
         default="info",
@@ -39,6 +57,10 @@ def run_proxy(args: argparse.Namespace) -> int:
             decode_urls=strip(args.decode),
             timeout_s=args.timeout,
             encoder_timeout_s=args.encoder_timeout,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout,
+            max_media_items=args.max_media_items,
+            max_encoder_fanout=args.max_encoder_fanout,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)
@@ -51,8 +73,11 @@ def run_proxy(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         lifespan="off",
-        timeout_keep_alive=30,
         server_header=False,
+        **uvicorn_http_settings(
+            replace(http_limits(args), max_connections=connection_cap(args.max_connections)),
+            proxy.metrics.refused,
+        ),
     )
     server = uvicorn.Server(uv)
     log.info(

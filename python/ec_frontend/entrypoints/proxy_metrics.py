@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ec_frontend.metrics import PREFIX, Counter, Histogram, exposition
+from ec_frontend.metrics import PREFIX, Counter, Histogram, exposition, refused_connections
 
 
 class ProxyMetrics:
@@ -31,6 +31,7 @@ class ProxyMetrics:
             PREFIX + "proxy_prefills_total",
             "Requests whose prompt a prefill instance computed for a decode instance.",
         )
+        self.refused = refused_connections()
 
         self.encode_seconds = Histogram(
             PREFIX + "proxy_encode_seconds",
@@ -51,6 +52,7 @@ class ProxyMetrics:
             self.encoder_retries,
             self.encoder_fallbacks,
             self.prefills,
+            self.refused,
             self.encode_seconds,
             self.prefill_seconds,
             self.decode_first_byte_seconds,
