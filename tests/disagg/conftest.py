@@ -4,6 +4,12 @@
 ``tests/helpers/processes.py``, which runs it on a free port and waits for
 ``/health``. Deployments are built from these in module fixtures, so the model loads once
 per instance per test module.
+
+Every instance and proxy gets the transfer secret :data:`SECRET` (through
+``$EC_FRONTEND_TRANSFER_SECRET``) unless started with ``secret=None``: the
+suite runs with signed transfer params, and ``test_epd_unsigned.py`` runs the
+main flows without a secret (loopback peers only). A test that changes params
+on purpose re-signs them with :func:`resign` (it plays the trusted producer).
 """
 
 from __future__ import annotations
@@ -15,11 +21,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, signed
+from ec_frontend.engine.config import TRANSFER_SECRET_ENV
 from PIL import Image
 
 from ..helpers.processes import Proc
 
 MODEL_NAME = "tiny"
+SECRET = "disagg-suite-transfer-secret-0123"
+
+
+def _env(secret: str | None) -> dict[str, str]:
+    return {TRANSFER_SECRET_ENV: secret or ""}
+
+
+def resign(kind: str, key: str, entry: dict[str, Any], secret: str = SECRET) -> dict[str, Any]:
+    """``entry`` signed afresh with the suite's secret (after a test changed it)."""
+    body = {k: v for k, v in entry.items() if k != SIGNATURE_KEY}
+    return signed(secret.encode(), kind, key, body, 60.0)
+
+
+def resign_ec(params: dict[str, Any], secret: str = SECRET, **change: Any) -> dict[str, Any]:
+    """EC params with ``change`` applied to every entry, signed afresh."""
+    return {h: resign("ec", h, {**e, **change}, secret) for h, e in params.items()}
 
 
 def serve(
@@ -29,6 +53,7 @@ def serve(
     ec: dict[str, Any] | None = None,
     kv: dict[str, Any] | None = None,
     extra: Sequence[str] = (),
+    secret: str | None = SECRET,
 ) -> Proc:
     args = ["--model", str(model_dir), "--device", "cpu", "--max-model-len", "1024",
             "--served-model-name", MODEL_NAME, *extra]  # fmt: skip
@@ -36,7 +61,7 @@ def serve(
         args += ["--ec-transfer-config", json.dumps(ec)]
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv)]
-    return Proc("serve", args, name)
+    return Proc("serve", args, name, env=_env(secret))
 
 
 def proxy(
@@ -46,6 +71,7 @@ def proxy(
     prefill: Sequence[str] = (),
     decode: Sequence[str],
     extra: Sequence[str] = (),
+    secret: str | None = SECRET,
 ) -> Proc:
     args: list[str] = []
     if encode:
@@ -53,7 +79,7 @@ def proxy(
     if prefill:
         args += ["--prefill", *prefill]
     args += ["--decode", *decode, *extra]
-    return Proc("proxy", args, name)
+    return Proc("proxy", args, name, env=_env(secret))
 
 
 def side_channel_ec(role: str, **extra: Any) -> dict[str, Any]:

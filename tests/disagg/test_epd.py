@@ -31,6 +31,7 @@ from .conftest import (
     messages,
     png_data_url,
     proxy,
+    resign,
     serve,
     shared_storage_ec,
     side_channel_ec,
@@ -312,14 +313,24 @@ def test_params_are_consumed_once_and_prefill_frees_after_the_pull(dep: dict[str
     kv = prefill(dep, ids)
     assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
     assert dep["pd_sc"].settled_metric("kv_requests_held", 0) == 0
+    # The same signed params again: a replay, refused before any connection; the
+    # prompt is computed locally.
+    before = dep["d"].metrics()
+    assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
+    after = dep["d"].metrics()
+    for name in ("transfer_params_rejected_total", "kv_local_prefill_fallbacks_total"):
+        key = "ec_frontend_" + name
+        assert after[key] == before[key] + 1
+    # Signed afresh (as by a trusted party): prefill is asked and has nothing left.
     body = {
         "token_ids": ids,
         "sampling_params": {"max_tokens": 8, "temperature": 0},
-        "kv_transfer_params": kv,
+        "kv_transfer_params": resign("kv", kv["remote_request_id"], kv),
     }
     again = httpx.post(dep["d"].url + "/inference/v1/generate", json=body, timeout=60)
     assert again.status_code == 500
-    assert "KV transfer from the prefill instance" in again.json()["error"]["message"]
+    message = again.json()["error"]["message"]
+    assert "KV transfer from the prefill instance" in message and "no such item" in message
 
 
 @pytest.mark.parametrize(
@@ -339,7 +350,8 @@ def test_unusable_kv_params_give_a_logged_local_prefill(
 ) -> None:
     ids = [5, 6, 7, 8, 9, 10, 11, 12]
     want = generate(dep["agg"].url, ids)["choices"][0]["token_ids"]
-    kv = {**prefill(dep, ids), **change}
+    kv = prefill(dep, ids)
+    kv = resign("kv", kv["remote_request_id"], {**kv, **change})
     before = dep["d"].metric("kv_local_prefill_fallbacks_total")
     assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
     assert dep["d"].metric("kv_local_prefill_fallbacks_total") == before + 1

@@ -28,6 +28,8 @@ from .conftest import (
     messages,
     png_data_url,
     proxy,
+    resign,
+    resign_ec,
     serve,
     shared_storage_ec,
     side_channel_ec,
@@ -149,7 +151,7 @@ def test_side_channel_peer_gone_falls_back_within_the_timeout(
     params = encoder_params(dep["e2"], image)
     silent = SilentPeer() if peer == "silent" else None
     port = silent.port if silent is not None else free_port()
-    params = {h: {**v, "peer_port": port} for h, v in params.items()}
+    params = resign_ec(params, peer_port=port)
     fallbacks = metric(pd, "ec_load_fallbacks_total")
     try:
         started = time.monotonic()
@@ -170,7 +172,7 @@ def test_a_request_waiting_for_its_items_does_not_stall_the_batch(dep: dict[str,
     image = fresh_image()
     params = encoder_params(dep["e2"], image)
     silent = SilentPeer()
-    params = {h: {**v, "peer_port": silent.port} for h, v in params.items()}
+    params = resign_ec(params, peer_port=silent.port)
     try:
         with ThreadPoolExecutor(1) as pool:
             started = time.monotonic()
@@ -230,7 +232,8 @@ def test_prefill_killed_after_answering_decode_errors_cleanly(
         kv = prefill(pd, ids)
         dep["dead_prefill_params"] = kv
         pd.kill()
-    kv = dep["dead_prefill_params"]
+    # Signed afresh for each use: the same signed params twice would be a replay.
+    kv = resign("kv", dep["dead_prefill_params"]["remote_request_id"], dep["dead_prefill_params"])
     body = {"token_ids": ids, "sampling_params": {"max_tokens": 8, "temperature": 0},
             "kv_transfer_params": kv, "stream": stream}  # fmt: skip
     started = time.monotonic()

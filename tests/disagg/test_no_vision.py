@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ec_frontend.engine.config import ECTransferConfig, EngineConfig, SchedulerConfig
+from ec_frontend.connectors.transfer_trust import new_token, signed
+from ec_frontend.engine.config import (
+    ECTransferConfig,
+    EngineConfig,
+    SchedulerConfig,
+    TransferTrust,
+)
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams
@@ -25,6 +31,7 @@ from PIL import Image
 pytestmark = pytest.mark.slow
 
 PULL_TIMEOUT_S = 1.0
+SECRET = b"no-vision-test-secret-0123456789"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,10 @@ def engine(builtin_model_dir: Path) -> tuple[EngineCore, Any]:
         load_vision=False,
         scheduler=SchedulerConfig(max_model_len=1024),
         ec_transfer=ECTransferConfig(
-            "ECSideChannelConnector", "ec_consumer", {"timeout_s": PULL_TIMEOUT_S}
+            "ECSideChannelConnector",
+            "ec_consumer",
+            {"timeout_s": PULL_TIMEOUT_S},
+            trust=TransferTrust(secret=SECRET),
         ),
     )
     return EngineCore.from_config(config)
@@ -79,9 +89,10 @@ def test_peer_gone_without_vision_weights_is_a_clean_error(
     if peer == "silent":
         silent.listen(4)
     port = silent.getsockname()[1]
-    params = {mm_hash: {"peer_host": "127.0.0.1", "peer_port": port,
-                        "num_tokens": feature.length, "dtype": "float32",
-                        "shape": [feature.length, core.model.hidden_size]}}  # fmt: skip
+    entry = {"peer_host": "127.0.0.1", "peer_port": port, "num_tokens": feature.length,
+             "dtype": "float32", "shape": [feature.length, core.model.hidden_size],
+             "token": new_token()}  # fmt: skip
+    params = {mm_hash: signed(SECRET, "ec", mm_hash, entry, 60.0)}
     try:
         started = time.monotonic()
         core.add_request(

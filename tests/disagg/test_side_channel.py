@@ -71,7 +71,7 @@ def test_handler_error_becomes_a_refusal(
     tensor_server: tuple[SideChannelServer, dict[str, torch.Tensor]],
 ) -> None:
     server, _ = tensor_server
-    with pytest.raises(WireError, match="peer refused"):
+    with pytest.raises(WireError, match="peer refused: the peer holds no such item"):
         request_tensor("127.0.0.1", server.port, {"key": "missing"}, timeout_s=2, max_bytes=10)
 
 
@@ -100,7 +100,7 @@ def _frame(header: bytes) -> bytes:
     [
         (_frame(b"not json"), "not JSON"),
         (_frame(b"[1, 2]"), "not a JSON object"),
-        (struct.pack(">I", 1 << 30), "exceeds"),
+        (struct.pack(">I", 1 << 30), "not a side-channel peer"),
         (_frame(b'{"ok": true, "dtype": "float32", "shape": [2], "nbytes": 4}'), "does not match"),
         (_frame(b'{"ok": true, "dtype": "int64", "shape": [2], "nbytes": 16}'), "unsupported"),
         (_frame(b'{"ok": true, "dtype": "float32", "shape": [-1], "nbytes": 0}'), "invalid shape"),
@@ -175,8 +175,9 @@ def test_settings_errors(extra: dict[str, Any], param: str) -> None:
     assert info.value.param == param
 
 
+TOKEN = "5" * 32
 PEER = {"peer_host": "127.0.0.1", "peer_port": 5501, "num_tokens": 2, "dtype": "float32",
-        "shape": [2, 4]}  # fmt: skip
+        "shape": [2, 4], "token": TOKEN}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -190,6 +191,8 @@ PEER = {"peer_host": "127.0.0.1", "peer_port": 5501, "num_tokens": 2, "dtype": "
         ({"dtype": "int8"}, False),
         ({"shape": [2, 4, 1]}, False),
         ({"shape": [2, 4000]}, False),
+        ({"token": None}, False),
+        ({"token": "short"}, False),
     ],
 )
 def test_parse_peer(change: dict[str, Any], ok: bool) -> None:
@@ -207,7 +210,7 @@ def _remote(ids: list[int], **change: Any) -> dict[str, Any]:
         "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600,
         "remote_engine_id": "e", "remote_request_id": "p-1", "remote_block_ids": [1, 2],
         "remote_num_tokens": len(ids), "first_token_id": 9, "mrope_position_delta": 0,
-        "prompt_hash": prompt_hash(ids),
+        "prompt_hash": prompt_hash(ids), "token": TOKEN,
     }  # fmt: skip
     return {**params, **change}
 
@@ -224,6 +227,7 @@ def _remote(ids: list[int], **change: Any) -> dict[str, Any]:
         ({"remote_num_tokens": 4}, "this prompt has 5"),
         ({"prompt_hash": prompt_hash([1])}, "prompt_hash"),
         ({"mrope_position_delta": -3}, "mrope_position_delta"),
+        ({"token": 7}, "token"),
     ],
 )
 def test_parse_remote_prefill(change: dict[str, Any], error: str | None) -> None:
@@ -246,12 +250,18 @@ def producer() -> Iterator[ECSideChannelConnector]:
     conn.close()
 
 
-def _get(conn: ECSideChannelConnector, mm_hash: str) -> torch.Tensor:
+def _token(conn: ECSideChannelConnector, mm_hash: str) -> str:
+    """The item's token as the producer's params would carry it (any token once it is gone)."""
+    assert conn.store is not None
+    item = conn.store.get(mm_hash)
+    return item.token if item is not None else TOKEN
+
+
+def _get(conn: ECSideChannelConnector, mm_hash: str, token: str | None = None) -> torch.Tensor:
     assert conn.store is not None
     port = conn.store.server.port
-    return request_tensor(
-        "127.0.0.1", port, {"op": "get_ec", "mm_hash": mm_hash}, timeout_s=2, max_bytes=1 << 20
-    )[1]
+    request = {"op": "get_ec", "mm_hash": mm_hash, "token": token or _token(conn, mm_hash)}
+    return request_tensor("127.0.0.1", port, request, timeout_s=2, max_bytes=1 << 20)[1]
 
 
 def test_store_serves_once_then_frees(producer: ECSideChannelConnector) -> None:
@@ -265,7 +275,7 @@ def test_store_serves_once_then_frees(producer: ECSideChannelConnector) -> None:
     while producer.num_items_held() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert producer.num_items_held() == 0
-    with pytest.raises(WireError, match="no encoder output"):
+    with pytest.raises(WireError, match="no such item"):
         _get(producer, HASH)
 
 
@@ -275,7 +285,7 @@ def test_store_is_bounded_and_expires(producer: ECSideChannelConnector) -> None:
     for h in hashes:
         producer.save_caches(cache, h)
     assert producer.num_items_held() == 2
-    with pytest.raises(WireError, match="no encoder output"):
+    with pytest.raises(WireError, match="no such item"):
         _get(producer, hashes[0])
     time.sleep(0.6)
     assert producer.num_items_held() == 0
@@ -284,10 +294,12 @@ def test_store_is_bounded_and_expires(producer: ECSideChannelConnector) -> None:
 @pytest.mark.parametrize(
     ("request_", "error"),
     [
-        ({"op": "get_ec", "mm_hash": "ABCDEF"}, "lower-case hex"),
-        ({"op": "get_ec", "mm_hash": "../etc/passwd"}, "lower-case hex"),
-        ({"op": "get_ec"}, "expected"),
-        ({"op": "delete", "mm_hash": HASH}, "expected"),
+        ({"op": "get_ec", "mm_hash": "ABCDEF", "token": TOKEN}, "malformed"),
+        ({"op": "get_ec", "mm_hash": "../etc/passwd", "token": TOKEN}, "malformed"),
+        ({"op": "get_ec"}, "malformed"),
+        ({"op": "get_ec", "mm_hash": HASH}, "malformed"),
+        ({"op": "delete", "mm_hash": HASH}, "malformed"),
+        ({"op": "get_ec", "mm_hash": HASH, "token": TOKEN}, "no such item"),
     ],
 )
 def test_store_refuses_bad_requests(
@@ -302,7 +314,12 @@ def test_release_frees_an_item_unsent(producer: ECSideChannelConnector) -> None:
     assert producer.store is not None
     producer.save_caches({HASH: torch.ones(1, 4)}, HASH)
     port = producer.store.server.port
-    answer = request_header("127.0.0.1", port, {"op": "release", "mm_hash": HASH}, timeout_s=2)
+    release = {"op": "release", "mm_hash": HASH, "token": TOKEN}
+    with pytest.raises(WireError, match="no such item"):
+        request_header("127.0.0.1", port, release, timeout_s=2)
+    assert producer.num_items_held() == 1
+    release["token"] = _token(producer, HASH)
+    answer = request_header("127.0.0.1", port, release, timeout_s=2)
     assert answer["released"] is True and producer.num_items_held() == 0
 
 

@@ -6,19 +6,28 @@ into a bounded in-memory store keyed by ``mm_hash``, served at
 ``ec_transfer_params`` (DESIGN 4.3)::
 
     {"<mm_hash>": {"peer_host": ..., "peer_port": ..., "num_tokens": ...,
-                   "dtype": "float32", "shape": [num_tokens, hidden]}}
+                   "dtype": "float32", "shape": [num_tokens, hidden],
+                   "token": <32 hex>, "signature": ...}}
 
 and delays freeing the request until each of its items has been pulled once
-or has outlived ``ttl_s``; a pulled item leaves the store.
+or has outlived ``ttl_s``; a pulled item leaves the store. The store serves or
+releases an item only to a request that carries its ``token``; with a transfer
+secret the entry is signed and each connection authenticated
+(``transfer_trust.py``, ``side_channel_wire.py``).
 
 Consumer (``ec_consumer`` / ``ec_both``): an item is loadable when the
-request's ``ec_transfer_params`` name a peer for it. When the scheduler first
+request's ``ec_transfer_params`` name a peer for it that passes
+:func:`~ec_frontend.connectors.transfer_trust.check_entry` (the allowlist; with
+a secret, a valid unused signature). Entries that do not are refused once per
+request, logged with the reason and counted (``params_rejected``); the item is
+then a miss and is encoded locally. When the scheduler first
 considers the request, :meth:`ECSideChannelConnector.is_request_ready` starts
 pulling its items in the background and the request waits aside (the batch
 runs on) until every pull has ended; the worker then takes the pulled tensors
 into the encoder cache. Pulls run in parallel, each bounded by ``timeout_s``
-and by the size the params announced (at most ``max_item_bytes``). An item
-that cannot be pulled is a load failure: the runner encodes it locally, or
+(the whole pull), by the size the params announced (at most
+``max_item_bytes``), and checked for the announced shape and dtype and for
+finite values. An item that cannot be pulled is a load failure: the runner encodes it locally, or
 fails the request when it has no pixel values. Items offered but found in the
 consumer's cache are released at the producer.
 
@@ -68,6 +77,13 @@ from ec_frontend.connectors.side_channel_wire import (
     tensor_nbytes,
 )
 from ec_frontend.connectors.transfer_settings import Settings
+from ec_frontend.connectors.transfer_trust import (
+    TOKEN_KEY,
+    check_entry,
+    loggable,
+    signed,
+    valid_token,
+)
 
 if TYPE_CHECKING:
     from ec_frontend.engine.config import ECTransferConfig
@@ -85,6 +101,9 @@ class Peer:
     port: int
     num_tokens: int
     nbytes: int
+    dtype: str
+    shape: list[int]
+    token: str
 
 
 @dataclass(slots=True)
@@ -113,7 +132,8 @@ def _settings(config: ECTransferConfig) -> Settings:
 
 def parse_peer(entry: Any, settings: Settings) -> Peer | None:
     """The peer named by one ``ec_transfer_params`` entry, or ``None`` when it names none
-    usable (missing or mistyped keys, a size over ``max_item_bytes``)."""
+    usable (missing or mistyped keys, a size over ``max_item_bytes``). Whether the
+    entry may be trusted is :func:`check_entry`'s question."""
     if not isinstance(entry, dict):
         return None
     host, port, num_tokens = entry.get("peer_host"), entry.get("peer_port"), entry.get("num_tokens")
@@ -130,7 +150,10 @@ def parse_peer(entry: Any, settings: Settings) -> Peer | None:
         return None
     if shape[0] != num_tokens or len(shape) != 2 or nbytes > settings.max_item_bytes:
         return None
-    return Peer(host, port, num_tokens, nbytes)
+    token = entry.get(TOKEN_KEY)
+    if not valid_token(token):
+        return None
+    return Peer(host, port, num_tokens, nbytes, dtype, list(shape), token)
 
 
 class ECSideChannelConnector(ECConnectorBase):
@@ -139,8 +162,11 @@ class ECSideChannelConnector(ECConnectorBase):
     def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
         super().__init__(config, role)
         self.settings = _settings(config)
+        self.trust = config.trust
         self.store = store_for(config, self.settings) if self.is_producer else None
         self._pending: list[ECLoadSpec] = []
+        self._trusted: dict[str, dict[str, Peer]] = {}
+        self.params_rejected = 0
         self._peers: dict[str, Peer] = {}
         self._loading: dict[str, set[str]] = {}
         self._prefetched: dict[str, set[str]] = {}
@@ -150,12 +176,46 @@ class ECSideChannelConnector(ECConnectorBase):
     # ---- scheduler side -------------------------------------------------
 
     def _peer(self, mm_hash: str, request: Request | None) -> Peer | None:
-        if request is None or not is_valid_mm_hash(mm_hash):
+        if request is None:
             return None
+        peers = self._trusted.get(request.request_id)
+        if peers is None:
+            peers = self._trusted[request.request_id] = self._verify(request)
+        return peers.get(mm_hash)
+
+    def _verify(self, request: Request) -> dict[str, Peer]:
+        """The peers of the request's own items that its params name and that pass the
+        trust checks; each entry is checked (and its nonce claimed) once per request."""
         params = request.ec_transfer_params
-        if params is None:
-            return None
-        return parse_peer(params.get(mm_hash), self.settings)
+        if not params:
+            return {}
+        hashes = {f.mm_hash for f in request.mm_features if is_valid_mm_hash(f.mm_hash)}
+        limit = self.trust.max_entries
+        if len(params) > limit:
+            self._reject(request, "*", f"{len(params)} entries, over the limit of {limit}")
+            return {}
+        peers: dict[str, Peer] = {}
+        for mm_hash in sorted(hashes & params.keys()):
+            entry = params[mm_hash]
+            peer = parse_peer(entry, self.settings)
+            if peer is None:
+                self._reject(request, mm_hash, "malformed entry")
+                continue
+            reason = check_entry(self.trust, "ec", mm_hash, entry, peer.host, peer.port)
+            if reason is not None:
+                self._reject(request, mm_hash, f"{reason} ({loggable(peer.host)}:{peer.port})")
+                continue
+            peers[mm_hash] = peer
+        return peers
+
+    def _reject(self, request: Request, mm_hash: str, reason: str) -> None:
+        self.params_rejected += 1
+        logger.warning(
+            "request %s: ec_transfer_params for %s refused: %s; the item is a miss",
+            loggable(request.request_id),
+            mm_hash,
+            reason,
+        )
 
     def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
         return self._peer(mm_hash, request) is not None
@@ -198,6 +258,7 @@ class ECSideChannelConnector(ECConnectorBase):
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self.is_consumer:
             self._release_unused(request)
+        self._trusted.pop(request.request_id, None)
         store = self.store
         if store is None or request.status.finish_reason in ("error", "abort"):
             return False, None
@@ -214,13 +275,15 @@ class ECSideChannelConnector(ECConnectorBase):
                     item = store.get(mm_hash)
             if item is None or item.tensor.shape[0] != feature.length:
                 continue
-            params[mm_hash] = {
+            entry = {
                 "peer_host": store.peer_host,
                 "peer_port": store.server.port,
                 "num_tokens": feature.length,
                 "dtype": str(item.tensor.dtype).removeprefix("torch."),
                 "shape": list(item.tensor.shape),
+                TOKEN_KEY: item.token,
             }
+            params[mm_hash] = signed(self.trust.secret, "ec", mm_hash, entry, self.settings.ttl_s)
         if not params:
             return False, None
         store.wait_for(request.request_id, set(params))
@@ -233,10 +296,8 @@ class ECSideChannelConnector(ECConnectorBase):
         fetched = self._prefetched.pop(request.request_id, set())
         if self.staging is not None and fetched:
             self.staging.detach(request.request_id, fetched)
-        for mm_hash in request.ec_transfer_params or {}:
-            skip = mm_hash in loaded or mm_hash in fetched
-            peer = None if skip else self._peer(mm_hash, request)
-            if peer is not None:
+        for mm_hash, peer in self._trusted.get(request.request_id, {}).items():
+            if mm_hash not in loaded and mm_hash not in fetched:
                 self._executor().submit(self._release, mm_hash, peer)
 
     def _release(self, mm_hash: str, peer: Peer) -> None:
@@ -244,8 +305,9 @@ class ECSideChannelConnector(ECConnectorBase):
             request_header(
                 peer.host,
                 peer.port,
-                {"op": "release", "mm_hash": mm_hash},
+                {"op": "release", "mm_hash": mm_hash, TOKEN_KEY: peer.token},
                 timeout_s=self.settings.timeout_s,
+                secret=self.trust.secret,
             )
         except WireError as exc:
             logger.info("EC release of %s at %s:%d failed: %s", mm_hash, peer.host, peer.port, exc)
@@ -286,9 +348,12 @@ class ECSideChannelConnector(ECConnectorBase):
             _, tensor = request_tensor(
                 peer.host,
                 peer.port,
-                {"op": "get_ec", "mm_hash": spec.mm_hash},
+                {"op": "get_ec", "mm_hash": spec.mm_hash, TOKEN_KEY: peer.token},
                 timeout_s=self.settings.timeout_s,
                 max_bytes=peer.nbytes,
+                secret=self.trust.secret,
+                shape=peer.shape,
+                dtype=peer.dtype,
             )
         except WireError as exc:
             logger.warning(
@@ -300,8 +365,13 @@ class ECSideChannelConnector(ECConnectorBase):
                 exc,
             )
             return None
-        if tensor.dim() != 2 or tensor.shape[0] != spec.num_tokens:
-            logger.warning("EC pull of %s: shape %s", spec.mm_hash, tuple(tensor.shape))
+        if tensor.shape[0] != spec.num_tokens:
+            logger.warning(
+                "EC pull of %s: %d rows where the request's item has %d",
+                spec.mm_hash,
+                tensor.shape[0],
+                spec.num_tokens,
+            )
             return None
         return tensor
 

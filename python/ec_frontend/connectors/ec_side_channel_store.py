@@ -10,6 +10,7 @@ it outlived ``ttl_s``.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 
 from ec_frontend._core import is_valid_mm_hash
 from ec_frontend.connectors.side_channel_wire import SideChannelServer, tensor_payload
+from ec_frontend.connectors.transfer_trust import TOKEN_KEY, new_token
 from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
@@ -37,12 +39,13 @@ class _Item:
     tensor: torch.Tensor
     nbytes: int
     expires: float
+    token: str
 
 
 class ItemStore:
     """The producer's items and server, shared by the two halves of one engine."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, secret: bytes | None = None) -> None:
         self.settings = settings
         self.lock = threading.Lock()
         self.items: OrderedDict[str, _Item] = OrderedDict()
@@ -51,7 +54,7 @@ class ItemStore:
         self.encoder_cache: dict[str, torch.Tensor] | None = None
         self.waiting: dict[str, set[str]] = {}
         self.server = SideChannelServer(
-            settings.host, settings.port, self._handle, timeout_s=settings.timeout_s
+            settings.host, settings.port, self._handle, timeout_s=settings.timeout_s, secret=secret
         )
         self.peer_host = settings.advertise_host or settings.host
 
@@ -59,8 +62,12 @@ class ItemStore:
         cpu = tensor.detach().to("cpu").contiguous()
         nbytes = cpu.numel() * cpu.element_size()
         with self.lock:
+            # A hash already offered keeps its token: params handed out stay valid.
+            old = self.items.get(mm_hash)
+            token = old.token if old is not None else new_token()
             self._drop(mm_hash)
-            self.items[mm_hash] = _Item(cpu, nbytes, time.monotonic() + self.settings.ttl_s)
+            expires = time.monotonic() + self.settings.ttl_s
+            self.items[mm_hash] = _Item(cpu, nbytes, expires, token)
             self.nbytes += nbytes
             while self.items and (
                 len(self.items) > self.settings.max_items or self.nbytes > self.settings.max_bytes
@@ -104,20 +111,22 @@ class ItemStore:
             return len(self.items)
 
     def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes | None, Any]:
-        """``get_ec`` sends an item (then frees it); ``release`` frees it unsent."""
-        mm_hash, op = request.get("mm_hash"), request.get("op")
+        """``get_ec`` sends an item (then frees it); ``release`` frees it unsent. Both
+        need the item's token: an unknown item and a wrong token look the same."""
+        mm_hash, op, token = request.get("mm_hash"), request.get("op"), request.get(TOKEN_KEY)
         if op not in ("get_ec", "release") or not isinstance(mm_hash, str):
-            raise ValueError("expected {'op': 'get_ec' | 'release', 'mm_hash': <hex>}")
-        if not is_valid_mm_hash(mm_hash):
-            raise ValueError("mm_hash must be lower-case hex")
+            raise ValueError("expected {'op': 'get_ec' | 'release', 'mm_hash': <hex>, 'token'}")
+        if not is_valid_mm_hash(mm_hash) or not isinstance(token, str):
+            raise ValueError("mm_hash must be lower-case hex, token a string")
+        item = self.get(mm_hash)
+        if item is None or not hmac.compare_digest(item.token, token):
+            raise KeyError("no such item here (never computed, pulled, expired, or wrong token)")
         if op == "release":
             with self.lock:
-                present = mm_hash in self.items
-                self._drop(mm_hash)
+                present = self.items.get(mm_hash) is item
+                if present:
+                    self._drop(mm_hash)
             return {"ok": True, "released": present}, None, None
-        item = self.get(mm_hash)
-        if item is None:
-            raise KeyError(f"no encoder output {mm_hash} here (never computed, pulled or expired)")
         header, payload = tensor_payload(item.tensor)
 
         def on_sent() -> None:
@@ -178,7 +187,7 @@ def store_for(config: ECTransferConfig, settings: Settings) -> ItemStore:
         entry = _STORES.get(id(config))
         if entry is None or entry[0] is not config:
             try:
-                entry = (config, ItemStore(settings))
+                entry = (config, ItemStore(settings, config.trust.secret))
             except OSError as exc:
                 raise ConfigError(
                     f"EC side channel cannot listen on {settings.host}:{settings.port}: {exc}",

@@ -7,9 +7,12 @@ allocated (delayed free) and are served at ``host:port``; the response carries::
     {"do_remote_prefill": true, "do_remote_decode": false,
      "remote_engine_id", "remote_request_id", "remote_block_ids",
      "remote_host", "remote_port",
-     "remote_num_tokens", "first_token_id", "mrope_position_delta", "prompt_hash"}
+     "remote_num_tokens", "first_token_id", "mrope_position_delta", "prompt_hash",
+     "token", "signature"}
 
-The blocks are freed once decode pulled them, or after ``ttl_s``.
+The blocks are freed once decode pulled them, or after ``ttl_s``. They are
+sent only to a pull that carries the hold's ``token``; with a transfer secret
+the params are signed (for ``ttl_s``) and each connection is authenticated.
 
 Decode (``kv_consumer`` / ``kv_both``), given those params: the scheduler
 allocates blocks for the whole prompt and parks the request; a worker thread
@@ -17,8 +20,11 @@ pulls the KV (one exchange, bounded by ``timeout_s`` and ``max_item_bytes``);
 the engine thread copies it into the cache and the request continues with
 prefill's sampled token, computing no prompt token. The params are used once.
 Params that do not describe this request (another prompt, other positions,
-missing or mistyped keys) are logged and the prompt is computed locally; a
-pull that fails fails the request with a clear error.
+missing or mistyped keys) or that fail the trust checks (a peer outside the
+allowlist; with a secret, a missing, forged, expired or replayed signature)
+are logged and counted and the prompt is computed locally: no connection is
+opened for them. A pull that fails (including a tensor of another shape or
+dtype, or with NaN/Inf) fails the request with a clear error.
 
 Settings: ``kv_connector_extra_config`` keys ``host``, ``port``,
 ``advertise_host``, ``ttl_s`` (default 30), ``timeout_s`` (default 10),
@@ -29,6 +35,7 @@ Settings: ``kv_connector_extra_config`` keys ``host``, ``port``,
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -53,11 +60,19 @@ from ec_frontend.connectors.kv_transfer_params import (
 from ec_frontend.connectors.side_channel_wire import (
     SideChannelServer,
     WireError,
+    dtype_name,
     env_setting,
     request_tensor,
     tensor_payload,
 )
 from ec_frontend.connectors.transfer_settings import Settings
+from ec_frontend.connectors.transfer_trust import (
+    TOKEN_KEY,
+    check_entry,
+    loggable,
+    new_token,
+    signed,
+)
 from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
@@ -88,6 +103,7 @@ class _Hold:
     block_ids: list[int]
     num_tokens: int
     expires: float
+    token: str
 
 
 class _State:
@@ -108,7 +124,11 @@ class _State:
         if config.is_producer:
             try:
                 self.server = SideChannelServer(
-                    settings.host, settings.port, self._handle, timeout_s=settings.timeout_s
+                    settings.host,
+                    settings.port,
+                    self._handle,
+                    timeout_s=settings.timeout_s,
+                    secret=config.trust.secret,
                 )
             except OSError as exc:
                 raise ConfigError(
@@ -125,17 +145,18 @@ class _State:
                 self.sent.add(rid)
 
     def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes, Any]:
-        rid = request.get("remote_request_id")
-        if request.get("op") != "get_kv" or not isinstance(rid, str):
-            raise ValueError("expected {'op': 'get_kv', 'remote_request_id': ...}")
+        rid, token = request.get("remote_request_id"), request.get(TOKEN_KEY)
+        if request.get("op") != "get_kv" or not isinstance(rid, str) or not isinstance(token, str):
+            raise ValueError("expected {'op': 'get_kv', 'remote_request_id': ..., 'token': ...}")
         if request.get("remote_engine_id") != self.engine_id:
-            raise ValueError(f"engine {request.get('remote_engine_id')!r} is not this one")
+            raise KeyError("remote_engine_id names another engine")
         self.expire()
         with self.lock:
             hold = self.holds.get(rid)
             caches = self.kv_caches
-        if hold is None or caches is None:
-            raise KeyError(f"no KV held for {rid} (never prefilled here, pulled or expired)")
+        if hold is None or caches is None or not hmac.compare_digest(hold.token, token):
+            raise KeyError("no KV held for that request (never prefilled here, pulled, "
+                           "expired, or wrong token)")  # fmt: skip
         index = torch.tensor(hold.block_ids, dtype=torch.int64, device=caches[0].device)
         data = torch.stack([kv.index_select(1, index) for kv in caches])
         header, payload = tensor_payload(data)
@@ -188,6 +209,7 @@ class KVSideChannelConnector(KVConnectorBase):
         self._pool: ThreadPoolExecutor | None = None
         self._recving: set[str] = set()
         self.local_prefill_fallbacks = 0
+        self.params_rejected = 0
 
     # ---- scheduler side -------------------------------------------------
 
@@ -203,6 +225,13 @@ class KVSideChannelConnector(KVConnectorBase):
             return 0, False
         request.kv_transfer_params = None
         remote = parse_remote_prefill(params, request)
+        if not isinstance(remote, str):
+            reason = check_entry(
+                self.config.trust, "kv", remote.request_id, params, remote.host, remote.port
+            )
+            if reason is not None:
+                self.params_rejected += 1
+                remote = f"refused: {reason} ({loggable(remote.host)}:{remote.port})"
         if isinstance(remote, str):
             self.local_prefill_fallbacks += 1
             logger.warning(
@@ -256,11 +285,11 @@ class KVSideChannelConnector(KVConnectorBase):
             or not block_ids
         ):
             return False, None
+        token = new_token()
+        expires = time.monotonic() + state.settings.ttl_s
         with state.lock:
-            state.holds[rid] = _Hold(
-                list(block_ids), request.num_prompt_tokens, time.monotonic() + state.settings.ttl_s
-            )
-        return True, {
+            state.holds[rid] = _Hold(list(block_ids), request.num_prompt_tokens, expires, token)
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": state.engine_id,
@@ -272,7 +301,9 @@ class KVSideChannelConnector(KVConnectorBase):
             "first_token_id": request.output_token_ids[0],
             "mrope_position_delta": request.mrope_position_delta,
             "prompt_hash": prompt_hash(request.prompt_token_ids),
+            TOKEN_KEY: token,
         }
+        return True, signed(self.config.trust.secret, "kv", rid, params, state.settings.ttl_s)
 
     # ---- worker side ----------------------------------------------------
 
@@ -301,12 +332,19 @@ class KVSideChannelConnector(KVConnectorBase):
                 "op": "get_kv",
                 "remote_request_id": remote.request_id,
                 "remote_engine_id": remote.engine_id,
+                TOKEN_KEY: remote.token,
             },
             timeout_s=self.state.settings.timeout_s,
             max_bytes=min(nbytes, self.state.settings.max_item_bytes),
+            secret=self.config.trust.secret,
+            shape=expected,
+            dtype=dtype_name(first.dtype),
         )
-        if list(data.shape) != expected or header.get("num_tokens") != remote.num_tokens:
-            raise WireError(f"KV of shape {list(data.shape)} does not fit {expected}")
+        if header.get("num_tokens") != remote.num_tokens:
+            raise WireError(
+                f"the prefill instance's KV is not for the {remote.num_tokens} tokens "
+                "the params announced"
+            )
         return data
 
     def wait_for_load(self) -> None:

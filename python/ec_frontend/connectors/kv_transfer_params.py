@@ -2,8 +2,9 @@
 
 Prefill adds to NIXL's keys what decode needs to continue without computing a
 prompt token: ``remote_num_tokens``, ``first_token_id``,
-``mrope_position_delta`` and ``prompt_hash`` (a digest of the prompt's token
-ids). :func:`parse_remote_prefill` accepts params only when they describe the
+``mrope_position_delta``, ``prompt_hash`` (a digest of the prompt's token
+ids) and ``token`` (the credential prefill asks for before it sends the KV).
+:func:`parse_remote_prefill` accepts params only when they describe the
 very request decode is serving.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ec_frontend.connectors.transfer_trust import TOKEN_KEY, valid_token
 
 if TYPE_CHECKING:
     from ec_frontend.engine.request import Request
@@ -35,6 +38,7 @@ class RemotePrefill:
     num_blocks: int
     num_tokens: int
     first_token_id: int
+    token: str
 
 
 def _int(value: Any) -> int | None:
@@ -47,7 +51,8 @@ def parse_remote_prefill(params: dict[str, Any], request: Request) -> RemotePref
     engine_id, rid = params.get("remote_engine_id"), params.get("remote_request_id")
     blocks, num_tokens = params.get("remote_block_ids"), _int(params.get("remote_num_tokens"))
     first, delta = _int(params.get("first_token_id")), _int(params.get("mrope_position_delta"))
-    if not isinstance(host, str) or not host or port is None or not 0 < port < 65536:
+    bad_host = not isinstance(host, str) or not host or len(host) > 255
+    if bad_host or port is None or not 0 < port < 65536:
         return "remote_host / remote_port missing or invalid"
     if not isinstance(engine_id, str) or not isinstance(rid, str) or not rid:
         return "remote_engine_id / remote_request_id missing or invalid"
@@ -63,4 +68,7 @@ def parse_remote_prefill(params: dict[str, Any], request: Request) -> RemotePref
         return f"mrope_position_delta {delta} != {request.mrope_position_delta} here"
     if first < 0:
         return "first_token_id is negative"
-    return RemotePrefill(host, port, engine_id, rid, len(blocks), num_tokens, first)
+    token = params.get(TOKEN_KEY)
+    if not valid_token(token):
+        return "token missing or invalid"
+    return RemotePrefill(host, port, engine_id, rid, len(blocks), num_tokens, first, token)

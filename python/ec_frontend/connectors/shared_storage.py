@@ -5,12 +5,17 @@
 * ``shared_storage_path`` (required): the directory, shared by producers and consumers.
 * ``max_items`` / ``max_bytes`` (optional): bounds on the files kept; after each
   save the oldest files (by modification time) are deleted until both hold.
+* ``max_item_bytes`` (default 256 MiB): a larger file is not read.
 
 Files are written to a temporary name in the same directory and renamed into
 place, so a reader sees a whole file or none; concurrent writers of one hash
 each rename a complete file. Only lower-case hex hashes become file names, so no
-path leaves the directory. A file that is missing, short or corrupt is a miss:
-the runner encodes the item locally.
+path leaves the directory, and files are opened without following symlinks
+(``O_NOFOLLOW``, regular files only): a link planted in the directory is a miss,
+never a read of its target. A file that is missing, short, corrupt, of the
+wrong shape or holding NaN/Inf is a miss: the runner encodes the item locally.
+Transfer params play no part in what is read (the file name comes from the
+item's own hash), so there is nothing here for a client to point elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import tempfile
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +39,7 @@ from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECLoadSpec,
 )
+from ec_frontend.connectors.tensor_checks import tensor_problem
 from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
@@ -45,6 +52,7 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 TENSOR_KEY = "encoder_output"
 _TMP_PREFIX = ".tmp-"
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def _optional_positive(extra: Any, key: str) -> int | None:
@@ -71,6 +79,7 @@ class ECSharedStorageConnector(ECConnectorBase):
         self.root = os.path.realpath(path)
         self.max_items = _optional_positive(extra, "max_items")
         self.max_bytes = _optional_positive(extra, "max_bytes")
+        self.max_item_bytes = _optional_positive(extra, "max_item_bytes") or 256 << 20
         if self.is_producer:
             os.makedirs(self.root, exist_ok=True)
         self._pending: list[ECLoadSpec] = []
@@ -86,7 +95,11 @@ class ECSharedStorageConnector(ECConnectorBase):
     def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
         if not is_valid_mm_hash(mm_hash):
             return False
-        return os.path.isfile(os.path.join(self.root, mm_hash + SUFFIX))
+        try:
+            st = os.lstat(os.path.join(self.root, mm_hash + SUFFIX))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
@@ -122,14 +135,25 @@ class ECSharedStorageConnector(ECConnectorBase):
 
     def _read(self, spec: ECLoadSpec) -> torch.Tensor | None:
         try:
-            with open(self.path_for(spec.mm_hash), "rb") as f:
-                data = f.read()
+            fd = os.open(self.path_for(spec.mm_hash), _OPEN_FLAGS)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError("not a regular file")
+                if st.st_size > self.max_item_bytes:
+                    raise ValueError(f"{st.st_size} bytes, over max_item_bytes")
+                data = f.read(self.max_item_bytes + 1)
             tensor = load_safetensors(data).get(TENSOR_KEY)
         except (OSError, ValueError, SafetensorError) as exc:
-            logger.warning("EC load of %s failed: %s", spec.mm_hash, exc)
+            reason = exc.strerror if isinstance(exc, OSError) else exc
+            logger.warning("EC load of %s failed: %s", spec.mm_hash, reason)
             return None
-        if tensor is None or tensor.dim() != 2 or tensor.shape[0] != spec.num_tokens:
-            logger.warning("EC file of %s has an unexpected layout", spec.mm_hash)
+        if tensor is None or tensor.dim() != 2:
+            logger.warning("EC file of %s holds no 2-D %r tensor", spec.mm_hash, TENSOR_KEY)
+            return None
+        problem = tensor_problem(tensor, shape=[spec.num_tokens, tensor.shape[1]])
+        if problem is not None:
+            logger.warning("EC file of %s: %s", spec.mm_hash, problem)
             return None
         return tensor
 
@@ -160,8 +184,10 @@ class ECSharedStorageConnector(ECConnectorBase):
                 if not name.endswith(SUFFIX) or not is_valid_mm_hash(name[: -len(SUFFIX)]):
                     continue
                 try:
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
                     continue
                 entries.append((st.st_mtime_ns, name, st.st_size))
         entries.sort()

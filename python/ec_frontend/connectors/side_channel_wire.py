@@ -1,37 +1,53 @@
-"""The side channels' wire format and a small threaded TCP server.
+"""The side channels' wire format and a small TCP server with a bounded worker pool.
 
 One exchange per connection, no pickle anywhere:
 
 * request: ``[4-byte big-endian length][JSON object]``
 * response: ``[4-byte big-endian length][JSON object][payload]``; the JSON
   header says ``"ok"`` and, when there is a payload, ``"nbytes"``, ``"dtype"``
-  and ``"shape"`` of the raw tensor bytes (C order) that follow.
+  and ``"shape"`` of the raw tensor bytes (C order) that follow. A refusal is
+  ``{"ok": false, "code": ...}`` with a code of :data:`REFUSALS`.
 
-Both ends bound what they accept: a header over :data:`MAX_HEADER_BYTES` or a
-payload over the reader's limit ends the exchange with :class:`WireError`.
-Tensors travel as their raw bytes; the dtype is one of :data:`DTYPES`.
+With a transfer secret the server speaks first: ``{"challenge": <32 hex>}``,
+and the request must carry ``"auth"``, the HMAC-SHA256 (with the secret) of
+the challenge and the rest of the request; anything else is refused
+(``unauthorized``) before the handler sees it.
+
+Bounds: a header over :data:`MAX_HEADER_BYTES` or a payload over the reader's
+limit ends the exchange with :class:`WireError`; ``timeout_s`` bounds the whole
+exchange (connect, request, answer and payload together), not each socket
+operation, at both ends. The server runs ``workers`` threads that accept
+connections themselves, so connections beyond them wait in a listen backlog of
+``backlog``. Errors never quote what the peer sent: a port that answers with
+something else is "not a side-channel peer", whatever its bytes were.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import math
 import os
+import secrets
 import socket
-import socketserver
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
 import torch
 
+from ec_frontend.connectors.tensor_checks import tensor_problem
+
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 _LEN = struct.Struct(">I")
+_AUTH_CONTEXT = b"ec-frontend side channel v1\0"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,6 +55,15 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+#: Refusal codes a server sends and what a client says about each.
+REFUSALS: dict[str, str] = {
+    "bad_request": "the peer found the request malformed",
+    "not_found": "the peer holds no such item (never produced there, already sent, "
+    "expired, or another request's)",
+    "unauthorized": "the peer refused the authentication (do the transfer secrets match?)",
+    "internal": "the peer failed to serve the item",
+}
 
 
 class WireError(Exception):
@@ -56,21 +81,37 @@ def tensor_nbytes(dtype: str, shape: list[int]) -> int:
     """Bytes of a tensor of ``dtype`` and ``shape``; ``WireError`` when either is invalid."""
     torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else None
     if torch_dtype is None:
-        raise WireError(f"unsupported dtype {dtype!r}")
+        raise WireError("unsupported dtype")
     if (
         not isinstance(shape, list)
         or not shape
-        or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)
+        or len(shape) > 8
+        or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 40 for d in shape)
     ):
-        raise WireError(f"invalid shape {shape!r}")
+        raise WireError("invalid shape")
     return math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+class Deadline:
+    """The end of one whole exchange; :meth:`arm` gives a socket what is left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def arm(self, sock: socket.socket) -> None:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise WireError(f"timed out: the exchange exceeded its {self.seconds:g} s deadline")
+        sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Deadline) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        deadline.arm(sock)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise WireError(f"peer closed the connection after {got} of {n} bytes")
@@ -78,23 +119,35 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | None = None) -> None:
+def send_frame(
+    sock: socket.socket,
+    header: dict[str, Any],
+    payload: bytes | None = None,
+    deadline: Deadline | None = None,
+) -> None:
     data = orjson.dumps(header)
+    if deadline is not None:
+        deadline.arm(sock)
     sock.sendall(_LEN.pack(len(data)) + data)
     if payload:
+        if deadline is not None:
+            deadline.arm(sock)
         sock.sendall(payload)
 
 
-def recv_header(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def recv_header(sock: socket.socket, deadline: Deadline) -> dict[str, Any]:
+    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
     if length > MAX_HEADER_BYTES:
-        raise WireError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}")
+        raise WireError(
+            f"not a side-channel peer (its answer does not start with a frame of at most "
+            f"{MAX_HEADER_BYTES} bytes)"
+        )
     try:
-        header = orjson.loads(bytes(_recv_exact(sock, length)))
-    except orjson.JSONDecodeError as exc:
-        raise WireError(f"header is not JSON: {exc}") from None
+        header = orjson.loads(bytes(_recv_exact(sock, length, deadline)))
+    except orjson.JSONDecodeError:
+        raise WireError("not a side-channel peer (its header is not JSON)") from None
     if not isinstance(header, dict):
-        raise WireError("header is not a JSON object")
+        raise WireError("not a side-channel peer (its header is not a JSON object)")
     return header
 
 
@@ -105,6 +158,59 @@ def tensor_payload(tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
     return {"dtype": dtype_name(cpu.dtype), "shape": list(cpu.shape), "nbytes": len(data)}, data
 
 
+def auth_tag(secret: bytes, challenge: str, request: dict[str, Any]) -> str:
+    """The ``auth`` a request answering ``challenge`` carries."""
+    fields = {k: v for k, v in request.items() if k != "auth"}
+    body = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
+    message = _AUTH_CONTEXT + challenge.encode() + b"\0" + body
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _refusal(header: dict[str, Any]) -> WireError:
+    if "challenge" in header:
+        return WireError("the peer requires authentication, and no transfer secret is set here")
+    code = header.get("code")
+    reason = REFUSALS.get(code, "no known reason given") if isinstance(code, str) else None
+    return WireError(f"peer refused: {reason or 'no known reason given'}")
+
+
+@contextlib.contextmanager
+def _exchange(
+    host: str, port: int, request: dict[str, Any], timeout_s: float, secret: bytes | None
+) -> Iterator[tuple[socket.socket, dict[str, Any], Deadline]]:
+    """Connect, authenticate (with ``secret``), send ``request``, read the answer's header.
+
+    ``WireError`` for anything but an ``ok: true`` header; the socket stays open
+    for a payload until the block ends.
+    """
+    deadline = Deadline(timeout_s)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            if secret is not None:
+                try:
+                    hello = recv_header(sock, deadline)
+                except (WireError, OSError) as exc:
+                    reason = "timed out" if isinstance(exc, OSError) else str(exc)
+                    message = (
+                        f"no challenge from the peer ({reason}; is a transfer secret set there?)"
+                    )
+                    raise WireError(message) from None
+                challenge = hello.get("challenge")
+                if not isinstance(challenge, str) or len(challenge) != 32:
+                    raise WireError("no challenge from the peer (is a transfer secret set there?)")
+                request = {**request, "auth": auth_tag(secret, challenge, request)}
+            send_frame(sock, request, deadline=deadline)
+            header = recv_header(sock, deadline)
+            if header.get("ok") is not True:
+                raise _refusal(header)
+            yield sock, header, deadline
+    except (OSError, struct.error) as exc:
+        if isinstance(exc, TimeoutError):
+            message = f"timed out: the exchange exceeded its {timeout_s:g} s deadline"
+            raise WireError(message) from None
+        raise WireError(f"{host}:{port}: {exc.strerror or type(exc).__name__}") from None
+
+
 def request_tensor(
     host: str,
     port: int,
@@ -112,111 +218,164 @@ def request_tensor(
     *,
     timeout_s: float,
     max_bytes: int,
+    secret: bytes | None = None,
+    shape: list[int] | None = None,
+    dtype: str | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """Send ``request`` to ``host:port`` and read back ``(header, tensor)``.
+    """Send ``request`` to ``host:port`` and read back ``(header, tensor)`` within ``timeout_s``.
 
-    Raises :class:`WireError` for anything short of a complete, well-formed
-    tensor of at most ``max_bytes``: refused or timed-out connections, an
-    ``ok: false`` answer (its ``error`` in the message), a size that does not
-    match dtype and shape.
+    Raises :class:`WireError` for anything short of a complete, well-formed,
+    finite tensor of at most ``max_bytes`` (and of ``shape`` / ``dtype`` when
+    given): refused, timed-out or unauthenticated connections, an ``ok:
+    false`` answer, a size that does not match dtype and shape, NaN or Inf.
     """
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
-            send_frame(sock, request)
-            header = recv_header(sock)
-            if header.get("ok") is not True:
-                raise WireError(f"peer refused: {header.get('error', 'no reason given')}")
-            dtype, shape, nbytes = header.get("dtype"), header.get("shape"), header.get("nbytes")
-            expected = tensor_nbytes(dtype, shape)
-            if nbytes != expected:
-                raise WireError(f"payload of {nbytes!r} bytes does not match {dtype}{shape}")
-            if expected > max_bytes:
-                raise WireError(f"payload of {expected} bytes exceeds the limit of {max_bytes}")
-            data = _recv_exact(sock, expected)
-    except (OSError, struct.error) as exc:
-        raise WireError(f"{host}:{port}: {exc}") from None
-    tensor = (
-        torch.frombuffer(data, dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
-    )
-    return header, tensor.view(DTYPES[dtype]).reshape(shape)
+    with _exchange(host, port, request, timeout_s, secret) as (sock, header, deadline):
+        got_dtype, got_shape = header.get("dtype"), header.get("shape")
+        nbytes = header.get("nbytes")
+        expected = tensor_nbytes(got_dtype, got_shape)
+        if nbytes != expected:
+            raise WireError(f"announced payload size does not match {got_dtype}{got_shape}")
+        if expected > max_bytes:
+            raise WireError(f"payload of {expected} bytes exceeds the limit of {max_bytes}")
+        data = _recv_exact(sock, expected, deadline)
+    flat = torch.frombuffer(data, dtype=torch.uint8) if expected else torch.empty(0).byte()
+    tensor = flat.view(DTYPES[got_dtype]).reshape(got_shape)
+    problem = tensor_problem(tensor, shape=shape, dtype=DTYPES.get(dtype) if dtype else None)
+    if problem is not None:
+        raise WireError(problem)
+    return header, tensor
 
 
 def request_header(
-    host: str, port: int, request: dict[str, Any], *, timeout_s: float
+    host: str,
+    port: int,
+    request: dict[str, Any],
+    *,
+    timeout_s: float,
+    secret: bytes | None = None,
 ) -> dict[str, Any]:
     """Send ``request`` and read back a header-only answer; ``WireError`` on failure."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
-            send_frame(sock, request)
-            header = recv_header(sock)
-    except (OSError, struct.error) as exc:
-        raise WireError(f"{host}:{port}: {exc}") from None
-    if header.get("ok") is not True:
-        raise WireError(f"peer refused: {header.get('error', 'no reason given')}")
-    return header
+    with _exchange(host, port, request, timeout_s, secret) as (_, header, _):
+        return header
 
 
 #: ``handler(request) -> (header, payload, on_sent)``; ``on_sent`` runs after the
-#: payload went out completely (the item may then be freed).
+#: payload went out completely (the item may then be freed). A handler raises
+#: ``ValueError`` for a malformed request, ``KeyError`` for an unknown item or a
+#: wrong credential.
 Handler = Callable[[dict[str, Any]], tuple[dict[str, Any], bytes | None, Callable[[], None] | None]]
 
 
-class _TCPServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    block_on_close = False
-
-
 class SideChannelServer:
-    """Serves one request per connection on a daemon thread per connection.
+    """Serves one request per connection on ``workers`` threads that accept for themselves.
 
     ``port`` 0 binds an ephemeral port (read :attr:`port` after construction).
     A handler exception becomes an ``ok: false`` answer; the server goes on.
+    Each connection is bounded by ``timeout_s`` in all; at most ``workers`` are
+    served at once and ``backlog`` more wait to be accepted.
     """
 
-    def __init__(self, host: str, port: int, handler: Handler, *, timeout_s: float) -> None:
-        outer = self
-
-        class _Conn(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                outer._serve_one(self.request)
-
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        timeout_s: float,
+        secret: bytes | None = None,
+        workers: int = 8,
+        backlog: int = 64,
+    ) -> None:
         self._handler = handler
         self._timeout_s = timeout_s
-        self._server = _TCPServer((host, port), _Conn)
+        self._secret = secret
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=backlog)
+        self._listener.settimeout(0.5)
+        self._closed = threading.Event()
         self.host = host
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name=f"side-channel-{self.port}", daemon=True
-        )
-        self._thread.start()
+        self.port = int(self._listener.getsockname()[1])
+        self._threads = [
+            threading.Thread(
+                target=self._accept_loop, name=f"side-channel-{self.port}-{i}", daemon=True
+            )
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            with conn:
+                try:
+                    self._serve_one(conn)
+                except Exception:
+                    logger.exception("side channel: serving a connection failed")
 
     def _serve_one(self, sock: socket.socket) -> None:
-        sock.settimeout(self._timeout_s)
+        deadline = Deadline(self._timeout_s)
         try:
-            request = recv_header(sock)
+            challenge = None
+            if self._secret is not None:
+                challenge = secrets.token_hex(16)
+                send_frame(sock, {"challenge": challenge}, deadline=deadline)
+            request = recv_header(sock, deadline)
         except (OSError, WireError) as exc:
-            logger.debug("side channel: bad request: %s", exc)
+            logger.debug("side channel: no usable request: %s", exc)
             return
+        if challenge is not None and not self._authentic(challenge, request):
+            logger.warning("side channel: a connection failed authentication")
+            with contextlib.suppress(OSError, WireError):
+                send_frame(sock, {"ok": False, "code": "unauthorized"}, deadline=deadline)
+            return
+        request.pop("auth", None)
         try:
             header, payload, on_sent = self._handler(request)
         except Exception as exc:
-            with contextlib.suppress(OSError):
-                send_frame(sock, {"ok": False, "error": str(exc)})
+            code = "internal"
+            if isinstance(exc, ValueError):
+                code = "bad_request"
+            elif isinstance(exc, KeyError):
+                code = "not_found"
+            else:
+                logger.exception("side channel: the handler failed")
+            logger.debug("side channel: refused (%s): %s", code, exc)
+            with contextlib.suppress(OSError, WireError):
+                send_frame(sock, {"ok": False, "code": code}, deadline=deadline)
             return
         try:
-            send_frame(sock, header, payload)
-        except OSError as exc:
+            send_frame(sock, header, payload, deadline=deadline)
+        except (OSError, WireError) as exc:
             logger.warning("side channel: sending to a peer failed: %s", exc)
             return
         if on_sent is not None:
             on_sent()
 
+    def _authentic(self, challenge: str, request: dict[str, Any]) -> bool:
+        tag = request.get("auth")
+        secret = self._secret
+        return (
+            secret is not None
+            and isinstance(tag, str)
+            and hmac.compare_digest(tag, auth_tag(secret, challenge, request))
+        )
+
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        self._listener.close()
 
 
 def env_setting(names: tuple[str, ...], default: str) -> str:

@@ -6,7 +6,9 @@ Transfer configs accept vLLM's JSON shapes (``--ec-transfer-config`` and
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -61,6 +63,144 @@ def _reject_unknown(data: Mapping[str, Any], known: set[str], what: str) -> None
         raise ConfigError(f"unknown key(s) in {what}: {', '.join(unknown)}", unknown[0])
 
 
+#: Environment variable holding the deployment's transfer secret.
+TRANSFER_SECRET_ENV = "EC_FRONTEND_TRANSFER_SECRET"
+#: Peers a consumer without a secret may contact when no allowlist is given.
+DEFAULT_TRANSFER_PEERS = "127.0.0.0/8,[::1]"
+MIN_SECRET_BYTES = 16
+
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRule:
+    """One allowlist entry: an IP network or an exact host name, and a port range."""
+
+    network: _Network | None
+    name: str | None
+    low_port: int
+    high_port: int
+
+    def allows(
+        self, host: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None, port: int
+    ) -> bool:
+        if not self.low_port <= port <= self.high_port:
+            return False
+        if self.network is not None:
+            return (
+                address is not None
+                and address.version == self.network.version
+                and (address in self.network)
+            )
+        return address is None and host.lower() == self.name
+
+
+def _port_range(text: str, entry: str) -> tuple[int, int]:
+    if text in ("", "*"):
+        return 1, 65535
+    low, sep, high = text.partition("-")
+    try:
+        lo, hi = int(low), int(high) if sep else int(low)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 0 < lo <= hi < 65536:
+        raise ConfigError(f"transfer peer {entry!r}: bad port or port range", "transfer_peers")
+    return lo, hi
+
+
+def parse_transfer_peers(spec: str) -> tuple[PeerRule, ...]:
+    """Rules from a comma-separated list of ``HOST[:PORTS]``.
+
+    ``HOST`` is an IPv4 address or network (``10.0.0.0/8``), an IPv6 one in
+    brackets (``[fd00::/8]``), or an exact host name (matched as written, never
+    resolved). ``PORTS`` is ``N``, ``N-M`` or ``*`` (also when omitted: any).
+    """
+    rules: list[PeerRule] = []
+    for raw in spec.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        if entry.startswith("["):
+            host, sep, rest = entry[1:].partition("]")
+            if not sep or (rest and not rest.startswith(":")):
+                raise ConfigError(f"transfer peer {entry!r}: unclosed [", "transfer_peers")
+            ports = rest[1:]
+        else:
+            host, _, ports = entry.partition(":")
+        low, high = _port_range(ports, entry)
+        try:
+            network: _Network | None = ipaddress.ip_network(host, strict=False)
+        except ValueError:
+            network = None
+        name = None
+        if network is None:
+            if not host or any(c in host for c in "/[] ") or len(host) > 253:
+                raise ConfigError(f"transfer peer {entry!r}: bad host", "transfer_peers")
+            name = host.lower()
+        rules.append(PeerRule(network, name, low, high))
+    if not rules:
+        raise ConfigError("--transfer-peers names no peer", "transfer_peers")
+    return tuple(rules)
+
+
+@dataclass(frozen=True)
+class TransferTrust:
+    """Which transfer params an instance acts on (DESIGN 4.3, ``docs/security.md``).
+
+    ``secret``: the deployment's shared key; producers sign the params they
+    emit, consumers act only on params with a valid, unexpired, unused
+    signature, and side-channel connections authenticate with it. ``peers``:
+    the allowlist of addresses a consumer may contact; ``None`` means any
+    signed peer with a secret, loopback only without one. ``max_entries``
+    bounds the entries of one request's params that are looked at.
+    """
+
+    secret: bytes | None = field(default=None, repr=False)
+    peers: tuple[PeerRule, ...] | None = None
+    max_entries: int = 64
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"the transfer secret must be at least {MIN_SECRET_BYTES} bytes", "transfer_secret"
+            )
+        _positive(self.max_entries, "max_entries")
+
+    @property
+    def allowlist(self) -> tuple[PeerRule, ...] | None:
+        """The rules every peer must pass (``None``: no address rule applies)."""
+        if self.peers is not None or self.secret is not None:
+            return self.peers
+        return parse_transfer_peers(DEFAULT_TRANSFER_PEERS)
+
+    @classmethod
+    def from_options(
+        cls,
+        secret: str | None = None,
+        secret_file: str | None = None,
+        peers: str | None = None,
+    ) -> TransferTrust:
+        """From the ``--transfer-secret`` / ``--transfer-secret-file`` / ``--transfer-peers``
+        flags, the secret falling back to ``$EC_FRONTEND_TRANSFER_SECRET``."""
+        if secret and secret_file:
+            raise ConfigError(
+                "give --transfer-secret or --transfer-secret-file, not both", "transfer_secret"
+            )
+        value: bytes | None = secret.encode() if secret else None
+        if secret_file:
+            try:
+                with open(secret_file, "rb") as f:
+                    value = f.read(4096).strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot read --transfer-secret-file: {exc.strerror}", "transfer_secret_file"
+                ) from None
+        if value is None and os.environ.get(TRANSFER_SECRET_ENV):
+            value = os.environ[TRANSFER_SECRET_ENV].encode()
+        rules = parse_transfer_peers(peers) if peers else None
+        return cls(secret=value or None, peers=rules)
+
+
 @dataclass(frozen=True)
 class ECTransferConfig:
     """Where encoder outputs move to or from (``--ec-transfer-config``)."""
@@ -68,6 +208,7 @@ class ECTransferConfig:
     ec_connector: str
     ec_role: ECRole
     ec_connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    trust: TransferTrust = field(default_factory=TransferTrust)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ec_connector, str) or not self.ec_connector:
@@ -78,7 +219,9 @@ class ECTransferConfig:
         object.__setattr__(self, "ec_connector_extra_config", extra)
 
     @classmethod
-    def from_json(cls, value: str | Mapping[str, Any]) -> ECTransferConfig:
+    def from_json(
+        cls, value: str | Mapping[str, Any], trust: TransferTrust | None = None
+    ) -> ECTransferConfig:
         data = _load_json_object(value, "ec_transfer_config")
         _reject_unknown(
             data, {"ec_connector", "ec_role", "ec_connector_extra_config"}, "ec_transfer_config"
@@ -87,6 +230,7 @@ class ECTransferConfig:
             ec_connector=_require_str(data, "ec_connector"),
             ec_role=_require_str(data, "ec_role"),  # type: ignore[arg-type]
             ec_connector_extra_config=data.get("ec_connector_extra_config") or {},
+            trust=trust or TransferTrust(),
         )
 
     @property
@@ -106,6 +250,7 @@ class KVTransferConfig:
     kv_role: KVRole
     kv_connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
     engine_id: str | None = None
+    trust: TransferTrust = field(default_factory=TransferTrust)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
@@ -116,7 +261,9 @@ class KVTransferConfig:
         object.__setattr__(self, "kv_connector_extra_config", extra)
 
     @classmethod
-    def from_json(cls, value: str | Mapping[str, Any]) -> KVTransferConfig:
+    def from_json(
+        cls, value: str | Mapping[str, Any], trust: TransferTrust | None = None
+    ) -> KVTransferConfig:
         data = _load_json_object(value, "kv_transfer_config")
         _reject_unknown(
             data,
@@ -131,6 +278,7 @@ class KVTransferConfig:
             kv_role=_require_str(data, "kv_role"),  # type: ignore[arg-type]
             kv_connector_extra_config=data.get("kv_connector_extra_config") or {},
             engine_id=engine_id,
+            trust=trust or TransferTrust(),
         )
 
     @property

@@ -299,6 +299,8 @@ def _connector_stats(kv: KVConnectorBase | None, ec: ECConnectorBase | None) -> 
     return {
         "kv_tokens_sent_total": int(getattr(kv, "num_tokens_sent", 0)),
         "kv_local_prefill_fallbacks_total": int(getattr(kv, "local_prefill_fallbacks", 0)),
+        "transfer_params_rejected_total": int(getattr(kv, "params_rejected", 0))
+        + int(getattr(ec, "params_rejected", 0)),
         "kv_requests_held": int(getattr(kv, "num_requests_held", 0)),
         "ec_items_held": int(ec.num_items_held()) if hasattr(ec, "num_items_held") else 0,
     }

@@ -30,6 +30,7 @@ class EngineStats:
     requests_failed_total: int = 0
     kv_tokens_sent_total: int = 0
     kv_local_prefill_fallbacks_total: int = 0
+    transfer_params_rejected_total: int = 0
     # gauges
     num_requests_running: int = 0
     num_requests_waiting: int = 0

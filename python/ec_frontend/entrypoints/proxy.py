@@ -17,6 +17,14 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    (or, with no prefill stage, the ec params) and decode's answer, streamed or
    not, is passed back unchanged.
 
+Transfer params are the instances' business: the proxy drops every
+``ec_transfer_params`` / ``kv_transfer_params`` a client sends (top-level, in
+``vllm_xargs`` or in ``sampling_params.extra_args``), so what reaches an
+instance is only what another instance issued. With a transfer secret it also
+checks the signatures of what the encoders and prefill issued: an encoder
+entry that does not verify is dropped (the item is then encoded downstream, as
+when the encoder fails), prefill params that do not verify give 502.
+
 Limits (each a flag): the body is read up to ``max_body_bytes`` (413 beyond,
 408 when it does not arrive within ``body_timeout_s``), a chat request carries
 at most ``max_media_items`` image parts (400), and one request has at most
@@ -37,7 +45,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -46,6 +54,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from ec_frontend.connectors.transfer_trust import check_signature
 from ec_frontend.entrypoints.proxy_metrics import ProxyMetrics
 
 log = logging.getLogger("ec_frontend.proxy")
@@ -56,6 +65,7 @@ ROUTES: dict[str, str] = {
     "/inference/v1/generate": "generate",
 }
 FALLBACK_HEADER = "x-ec-fallback"
+TRANSFER_KEYS = ("ec_transfer_params", "kv_transfer_params")
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class ProxyConfig:
     body_timeout_s: float = 60.0
     max_media_items: int = 32
     max_encoder_fanout: int = 8
+    transfer_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -110,6 +121,23 @@ def check_body(endpoint: str, body: dict[str, Any], disaggregated: bool) -> tupl
         param = "sampling_params.n" if endpoint == "generate" else "n"
         return "n must be 1 when prefill and decode run on separate instances", param
     return None
+
+
+def strip_transfer_params(endpoint: str, body: dict[str, Any]) -> list[str]:
+    """Removes client-supplied transfer params from ``body``; the paths it removed."""
+    removed = [k for k in TRANSFER_KEYS if body.pop(k, None) is not None]
+    holders = [("vllm_xargs", body.get("vllm_xargs"))]
+    if endpoint == "generate" and isinstance(body.get("sampling_params"), dict):
+        holders.append(("sampling_params.extra_args", body["sampling_params"].get("extra_args")))
+    for path, holder in holders:
+        if isinstance(holder, dict) and any(k in holder for k in TRANSFER_KEYS):
+            kept = {k: v for k, v in holder.items() if k not in TRANSFER_KEYS}
+            removed += [f"{path}.{k}" for k in TRANSFER_KEYS if k in holder]
+            if path == "vllm_xargs":
+                body["vllm_xargs"] = kept
+            else:
+                body["sampling_params"] = {**body["sampling_params"], "extra_args": kept}
+    return removed
 
 
 def count_media_parts(body: dict[str, Any]) -> int:
@@ -273,12 +301,31 @@ class Proxy:
                 self.metrics.encoder_requests.inc(("failed",))
                 log.warning("encoder %s failed (%d); trying the next", url, exc.status)
                 continue
-            params = data.get("ec_transfer_params")
+            params = self._verified_ec(url, data.get("ec_transfer_params"))
             if isinstance(params, dict) and params:
                 self.metrics.encoder_requests.inc(("ok",))
                 return params
             self.metrics.encoder_requests.inc(("no_params",))
         return None
+
+    def _verified_ec(self, url: str, params: Any) -> Any:
+        """An encoder's params, less the entries whose signature does not verify (with a
+        secret; the consumer would refuse them)."""
+        secret = self.config.transfer_secret
+        if secret is None or not isinstance(params, dict):
+            return params
+        kept = {}
+        for mm_hash, entry in params.items():
+            reason = (
+                check_signature(secret, "ec", mm_hash, entry, consume=False)
+                if isinstance(entry, dict)
+                else "not an object"
+            )
+            if reason is None:
+                kept[mm_hash] = entry
+            else:
+                log.warning("encoder %s issued ec_transfer_params that fail: %s", url, reason)
+        return kept
 
     async def _encode(
         self, body: dict[str, Any], headers: dict[str, str]
@@ -342,6 +389,9 @@ class Proxy:
             )
             refusal = ClientError(400, message, "too_many_media_items", "messages")
             return self._refuse(endpoint, refusal, out_headers)
+        removed = strip_transfer_params(endpoint, body)
+        if removed:
+            log.info("request %s: dropped client-supplied %s", rid, ", ".join(removed))
         try:
             response = await self._route(endpoint, path, body, headers, out_headers)
         except UpstreamError as exc:
@@ -357,7 +407,7 @@ class Proxy:
         headers: dict[str, str],
         out_headers: dict[str, str],
     ) -> Response:
-        ec_params: dict[str, Any] = dict(body.get("ec_transfer_params") or {})
+        ec_params: dict[str, Any] = {}
         if endpoint == "chat":
             encoded, fell_back = await self._encode(body, headers)
             ec_params.update(encoded)
@@ -377,6 +427,15 @@ class Proxy:
                 raise UpstreamError(
                     502, error_body(502, f"{url} returned no usable kv_transfer_params", "no_kv")
                 )
+            secret = self.config.transfer_secret
+            rid = kv.get("remote_request_id")
+            reason = None
+            if secret is not None:
+                key = rid if isinstance(rid, str) else ""
+                reason = check_signature(secret, "kv", key, kv, consume=False)
+            if reason is not None:
+                message = f"{url} returned kv_transfer_params that fail verification: {reason}"
+                raise UpstreamError(502, error_body(502, message, "untrusted_kv"))
             self.metrics.prefills.inc()
             decode_body["kv_transfer_params"] = kv
             decode_body.pop("ec_transfer_params", None)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
+from ec_frontend.engine.config import TRANSFER_SECRET_ENV, TransferTrust
 from ec_frontend.entrypoints.http_protocol import (
     add_http_args,
     connection_cap,
@@ -19,6 +20,30 @@ from ec_frontend.entrypoints.proxy import ProxyConfig, build_proxy_app
 log = logging.getLogger("ec_frontend.proxy")
 
 
+def add_transfer_trust_args(p: argparse.ArgumentParser, *, peers: bool = True) -> None:
+    """``--transfer-secret`` / ``--transfer-secret-file`` (and ``--transfer-peers``)."""
+    p.add_argument(
+        "--transfer-secret",
+        default=None,
+        help="shared secret (16+ bytes) that signs and checks transfer params and "
+        f"authenticates side channels (env: {TRANSFER_SECRET_ENV}; see docs/security.md)",
+    )
+    p.add_argument(
+        "--transfer-secret-file",
+        default=None,
+        metavar="PATH",
+        help="read the transfer secret from a file (kept out of the process list)",
+    )
+    if peers:
+        p.add_argument(
+            "--transfer-peers",
+            default=None,
+            metavar="LIST",
+            help="comma-separated HOST[:PORT[-PORT]] or CIDR[:PORTS] a consumer may pull from "
+            "(default: any signed peer with a secret, loopback only without one)",
+        )
+
+
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances")
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances")
@@ -29,6 +54,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--encoder-timeout", type=float, default=120.0, help="seconds per encoder request"
     )
+    add_transfer_trust_args(p, peers=False)
     d = ProxyConfig(encode_urls=(), decode_urls=("http://unused",))
     limits_group(p, "proxy limits", [
         ("--max-body-bytes", int, d.max_body_bytes,
@@ -61,6 +87,9 @@ def run_proxy(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             max_media_items=args.max_media_items,
             max_encoder_fanout=args.max_encoder_fanout,
+            transfer_secret=TransferTrust.from_options(
+                args.transfer_secret, args.transfer_secret_file
+            ).secret,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)

@@ -14,6 +14,7 @@ from ec_frontend.engine.config import (
     EngineConfig,
     KVTransferConfig,
     SchedulerConfig,
+    TransferTrust,
 )
 
 if TYPE_CHECKING:
@@ -70,8 +71,12 @@ def cpu_threads(opts: ServeOptions, builtin: bool) -> int | None:
 
 def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
     """The engine config and the checkpoint directory for ``opts``."""
-    ec = ECTransferConfig.from_json(opts.ec_transfer_config) if opts.ec_transfer_config else None
-    kv = KVTransferConfig.from_json(opts.kv_transfer_config) if opts.kv_transfer_config else None
+    trust = TransferTrust.from_options(
+        opts.transfer_secret, opts.transfer_secret_file, opts.transfer_peers
+    )
+    ec_json, kv_json = opts.ec_transfer_config, opts.kv_transfer_config
+    ec = ECTransferConfig.from_json(ec_json, trust) if ec_json else None
+    kv = KVTransferConfig.from_json(kv_json, trust) if kv_json else None
     from ec_frontend.model.builtin import BUILTIN_MODEL_ID, BUILTIN_NAME, ensure_builtin_checkpoint
     from ec_frontend.model.loader import load_config
 
