@@ -16,7 +16,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_the_stages() -> None:
     out = run("--help")
     assert out.returncode == 0
-    for flag in ("--encode", "--prefill", "--decode", "--host", "--port"):
+    for flag in ("--encode", "--prefill", "--decode", "--host", "--port", "--transfer-secret"):
         assert flag in out.stdout
 
 
@@ -26,6 +26,12 @@ def test_help_lists_the_stages() -> None:
         ((), 2, "--decode"),
         (("--decode", "localhost:8000"), 2, "not an http(s) URL"),
         (("--encode", "ftp://e", "--decode", "http://127.0.0.1:1"), 2, "not an http(s) URL"),
+        (("--decode", "http://127.0.0.1:1", "--transfer-secret", "short"), 2, "at least 16 bytes"),
+        (
+            ("--decode", "http://127.0.0.1:1", "--transfer-secret-file", "/nonexistent/secret"),
+            2,
+            "cannot read --transfer-secret-file",
+        ),
     ],
 )
 def test_startup_errors(args: tuple[str, ...], code: int, message: str) -> None:

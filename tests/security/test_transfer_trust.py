@@ -373,10 +373,15 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Any]]:
                       extra=["--transfer-peers", f"127.0.0.1:{rec.port}"]),
     }  # fmt: skip
     start_all(list(procs.values()))
-    px = proxy("px", decode=[procs["open"].url], secret=None)
-    start_all([px])
-    yield {**procs, "px": px, "recorder": rec}
-    for p in (*procs.values(), px):
+    e, pd = procs["e"].url, procs["pd"].url
+    proxies = {
+        "px": proxy("px", decode=[procs["open"].url], secret=None),
+        "px_signed": proxy("px_signed", encode=[e], decode=[pd], secret=TEST_SECRET),
+        "px_other": proxy("px_other", encode=[e], decode=[pd], secret="another-proxy-secret-012"),
+    }
+    start_all(list(proxies.values()))
+    yield {**procs, **proxies, "recorder": rec}
+    for p in (*procs.values(), *proxies.values()):
         p.stop()
     rec.close()
 
@@ -476,3 +481,19 @@ def test_500_entries_in_one_request_open_no_connection(dep: dict[str, Any], targ
     before = rec.accepted
     assert connections_after(rec, chat(dep[target].url, None, ec_transfer_params=params)) == before
     assert httpx.get(dep[target].url + "/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_proxy_with_the_secret_checks_what_the_encoders_issued(dep: dict[str, Any]) -> None:
+    pd = dep["pd"]
+    loaded = pd.metric("ec_items_loaded_total")
+    computed = pd.metric("encoder_items_computed_total")
+    r = chat(dep["px_signed"].url, fresh_image())
+    assert r.status_code == 200 and "x-ec-fallback" not in r.headers
+    assert pd.metric("ec_items_loaded_total") == loaded + 1
+    # A proxy with another secret: the encoder's entries do not verify there, so it
+    # drops them and says so; the item is encoded on PD.
+    r = chat(dep["px_other"].url, fresh_image())
+    assert r.status_code == 200 and r.headers["x-ec-fallback"] == "local-encode"
+    assert pd.metric("encoder_items_computed_total") == computed + 1
+    assert "fail: bad signature" in dep["px_other"].output()

@@ -1,0 +1,84 @@
+"""E+PD and E+P+D over the side channels without a transfer secret (loopback peers).
+
+The rest of the suite runs with signed transfer params; this module runs the
+main flows of ``test_epd.py`` with no secret anywhere, as in a single-host
+deployment that relies on the default allowlist (loopback only): same tokens
+and logprobs as an aggregated instance, nothing recomputed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..helpers.processes import Proc, start_all
+from .conftest import messages, proxy, serve, side_channel_ec, side_channel_kv
+from .test_epd import CASES, assert_same, chat, fresh_images
+
+pytestmark = pytest.mark.slow
+
+TOPOLOGIES = ("E+PD/side-channel", "E+P+D")
+
+
+@pytest.fixture(scope="module")
+def dep(builtin_model_dir: Path) -> Iterator[dict[str, Proc]]:
+    m = builtin_model_dir
+    engines = {
+        "agg": serve(m, "agg", secret=None),
+        "e": serve(m, "e", ec=side_channel_ec("ec_producer"), secret=None),
+        "pd": serve(m, "pd", ec=side_channel_ec("ec_consumer"),
+                    kv=side_channel_kv("kv_both", ttl_s=10.0), secret=None),
+        "d": serve(m, "d", kv=side_channel_kv("kv_consumer"), secret=None),
+    }  # fmt: skip
+    procs = start_all(list(engines.values()))
+    proxies = {
+        "E+PD/side-channel": proxy(
+            "px_sc", encode=[engines["e"].url], decode=[engines["pd"].url], secret=None
+        ),
+        "E+P+D": proxy(
+            "px_epd",
+            encode=[engines["e"].url],
+            prefill=[engines["pd"].url],
+            decode=[engines["d"].url],
+            secret=None,
+        ),
+    }
+    procs += start_all(list(proxies.values()))
+    yield {**engines, **proxies}
+    for p in procs:
+        p.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_unsigned_flows_are_token_identical_to_aggregated(
+    dep: dict[str, Proc], topology: str, case: str, stream: bool
+) -> None:
+    want = chat(dep["agg"], CASES[case], stream=False)
+    assert_same(chat(dep[topology], CASES[case], stream=stream), want)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_unsigned_flows_recompute_nothing(dep: dict[str, Proc], topology: str) -> None:
+    names = ["e", "pd", "d"]
+    before = {n: dep[n].metrics() for n in names}
+    a, b = fresh_images(2, seed=zlib.crc32(b"unsigned" + topology.encode()))
+    for msgs in (messages("one", a), messages("two", a, b, a)):
+        chat(dep[topology], msgs, stream=False)
+
+    def delta(name: str, metric: str) -> float:
+        key = "ec_frontend_" + metric
+        return dep[name].metrics().get(key, 0.0) - before[name].get(key, 0.0)
+
+    assert delta("e", "encoder_items_computed_total") == 2
+    assert delta("pd", "encoder_items_computed_total") == 0
+    assert delta("pd", "ec_items_loaded_total") == 2
+    assert delta("pd", "transfer_params_rejected_total") == 0
+    if topology == "E+P+D":
+        assert delta("d", "prompt_tokens_computed_total") <= 2
+        assert delta("d", "kv_tokens_received_total") > 0
+        assert delta("d", "transfer_params_rejected_total") == 0
