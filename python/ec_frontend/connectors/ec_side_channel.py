@@ -176,7 +176,7 @@ class ECSideChannelConnector(ECConnectorBase):
     # ---- scheduler side -------------------------------------------------
 
     def _peer(self, mm_hash: str, request: Request | None) -> Peer | None:
-        if request is None:
+        if request is None or not request.ec_transfer_params:
             return None
         peers = self._trusted.get(request.request_id)
         if peers is None:
