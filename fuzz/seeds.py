@@ -7,7 +7,8 @@ rows), the malformed bodies of ``tests/core/bad_inputs.py`` and the benchmark
 fixtures. ``parse_request`` seeds are the endpoint's index byte plus the body;
 ``compare_to_serde`` seeds are the bodies; ``data_url`` seeds are every ``data:``
 URL found in them or in the Rust tests' sources. Each seed is a file named by its
-content's hash, so reruns add nothing twice.
+content's hash, so reruns add nothing twice. ``OUT_DIR/json.dict`` is a libFuzzer
+dictionary: the quoted names in the parser's sources plus JSON and URL tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 ENDPOINTS = ["chat", "completions", "responses", "generate"]
 RUST_ROW = re.compile(rb'Endpoint::(Chat|Completions|Responses|Generate),\s*r#"(.*?)"#', re.S)
 DATA_URL = re.compile(rb'data:[^"\\\s]*')
+NAME = re.compile(rb'"([a-z][a-z_]*)"')
+TOKENS = [
+    b"{", b"}", b"[", b"]", b":", b",", b"null", b"true", b"false", b"-0", b"1e400",
+    b"18446744073709551616", b"-9223372036854775809", b"0.5e-3", b"\\u", b"\\ud83d\\ude00",
+    b"data:image/png;base64,", b"https://", b";base64", b"=",
+]  # fmt: skip
 # Seeds longer than this are left out (the targets run with a bounded input length).
 MAX_SEED = 16 * 1024
 
@@ -50,6 +57,20 @@ def bad_input_bodies() -> list[tuple[str, bytes]]:
 def fixture_bodies() -> list[tuple[str, bytes]]:
     fixtures = sorted((ROOT / "benches" / "fixtures").glob("*.json"))
     return [("chat", p.read_bytes()) for p in fixtures]
+
+
+def dict_entry(token: bytes) -> bytes:
+    """One line of a libFuzzer dictionary: the token quoted, ``\\`` and ``"`` escaped."""
+    return b'"' + token.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"'
+
+
+def dictionary() -> bytes:
+    names = set()
+    for path in sorted((ROOT / "rust" / "ec-core" / "src").glob("*.rs")):
+        names.update(NAME.findall(path.read_bytes()))
+    entries = [dict_entry(b'"' + n + b'"') for n in sorted(names)]
+    entries += [dict_entry(t) for t in TOKENS]
+    return b"\n".join(entries) + b"\n"
 
 
 def write(directory: Path, data: bytes) -> bool:
@@ -81,6 +102,7 @@ def main() -> None:
     for path in sorted((ROOT / "rust" / "ec-core" / "tests").glob("*.rs")):
         for url in DATA_URL.findall(path.read_bytes()):
             written["data_url"] += write(dirs["data_url"], url)
+    (out / "json.dict").write_bytes(dictionary())
     print("seeds: " + ", ".join(f"{t} +{n}" for t, n in written.items()))
 
 

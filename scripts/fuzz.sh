@@ -11,7 +11,8 @@
 #   FUZZ_SANITIZER   address | memory | thread ... (default: none; the core has no unsafe)
 #   FUZZ_ARGS        extra libFuzzer flags (e.g. "-jobs=2 -workers=2")
 # The corpus grows in fuzz/corpus/<target>/ (seeded from the tests' bodies by
-# fuzz/seeds.py); crashing inputs land in fuzz/artifacts/<target>/.
+# fuzz/seeds.py, which also writes the dictionary fuzz/corpus/json.dict); crashing
+# inputs land in fuzz/artifacts/<target>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,7 +52,7 @@ for t in "${targets[@]}"; do
     log=$(mktemp)
     # shellcheck disable=SC2086 # FUZZ_ARGS is a list of flags
     if "$bin/$t" -max_total_time="$seconds" -max_len=16384 -timeout=10 \
-        -rss_limit_mb=2048 -print_final_stats=1 \
+        -rss_limit_mb=2048 -print_final_stats=1 -dict=fuzz/corpus/json.dict \
         -artifact_prefix="fuzz/artifacts/$t/" ${FUZZ_ARGS:-} \
         "fuzz/corpus/$t" >"$log" 2>&1; then
         grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|Done )' "$log" || true
