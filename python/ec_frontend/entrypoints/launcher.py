@@ -3,10 +3,12 @@
 Drain (first SIGTERM or SIGINT): the server keeps its socket open but answers
 503 to every new request (``/metrics`` excepted) and lets the generation
 requests in flight finish. Shortly before ``drain_timeout_s`` it aborts the
-engine requests still running, then closes the connections still open (a
-client still sending its body sees its connection closed; the server logs a
-499), stops uvicorn and the engine and returns 0, all within
-``drain_timeout_s`` whatever clients do. A second signal exits at once.
+engine requests still running (they end their responses), then closes the
+connections of requests still open (a client still sending its body sees its
+connection closed; the server counts a 499), stops uvicorn and the engine and
+returns 0: within ``drain_timeout_s`` whatever clients do (a timeout under a
+second may overrun by the half second aborted requests get to finish). A
+second signal exits at once.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ class DrainingServer(uvicorn.Server):
             log.info("drain timeout: aborting %d engine requests", len(ids))
             for rid in ids:
                 await self.core.engine.abort(rid)
-            await self._wait_idle(end - reserve / 2)
+            if ids:  # let aborted requests send their last chunk
+                await self._wait_idle(max(end - reserve / 2, time.monotonic() + 0.5))
         if self.core.metrics.in_flight > 0:
             open_ = list(self.server_state.connections)
             log.info("drain timeout: closing %d connections", len(open_))
@@ -133,7 +136,7 @@ class DrainingServer(uvicorn.Server):
                 transport = getattr(conn, "transport", None)
                 if transport is not None:
                     transport.close()
-            await self._wait_idle(end - reserve / 4)
+            await self._wait_idle(time.monotonic() + 0.25)
         log.info("drained; shutting down")
         self.should_exit = True
 
