@@ -22,6 +22,7 @@ import openai
 import pytest
 from PIL import Image
 
+from ..disagg.conftest import proxy, serve, side_channel_ec
 from ..helpers.processes import Proc, start_all
 
 MODEL_NAME = "tiny"
@@ -160,6 +161,47 @@ def test_shared_keys_serve_the_first_item_unless_salted(servers: tuple[_Server, 
     salted = attacked.greedy(_chat_body(VICTIM_PNG, uuid="salted-name", salt="tenant-b"))
     assert attacked.encoder_counters() == (computed + 1, hits)
     assert _same(salted, reference), (salted, reference)
+
+
+@pytest.fixture(scope="module")
+def e_pd(builtin_model_dir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """(encoder, prefill/decode, proxy): E+PD over the EC side channel."""
+    e = serve(builtin_model_dir, "e", ec=side_channel_ec("ec_producer"))
+    pd = serve(builtin_model_dir, "pd", ec=side_channel_ec("ec_consumer"))
+    procs = start_all([e, pd])
+    procs.append(proxy("proxy", encode=[e.url], decode=[pd.url]).wait_ready())
+    try:
+        yield e, pd, procs[2]
+    finally:
+        codes = {p.name: p.stop() for p in procs}
+    assert (codes["e"], codes["pd"]) == (0, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("uuid", [None, "item-9"])
+def test_encoder_and_decoder_agree_on_salted_keys(
+    e_pd: tuple[Proc, Proc, Proc], uuid: str | None
+) -> None:
+    """Through the proxy, a salted item (content- or uuid-keyed) encoded on E is
+    found under the same key on PD: PD loads it and encodes nothing."""
+    e, pd, px = e_pd
+    before = (e.metric("encoder_items_computed_total"), pd.metrics())
+    client = openai.OpenAI(base_url=px.url + "/v1", api_key="unused", max_retries=0)
+    body = _chat_body(VICTIM_PNG, uuid=uuid, salt=f"tenant-{uuid}")
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=body["messages"], max_tokens=3, temperature=0,
+        extra_body={"cache_salt": body["cache_salt"]},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("length", "stop")
+    after = pd.metrics()
+    assert e.metric("encoder_items_computed_total") == before[0] + 1
+    assert (
+        after["ec_frontend_encoder_items_computed_total"]
+        == (before[1]["ec_frontend_encoder_items_computed_total"])
+    )
+    assert after["ec_frontend_ec_items_loaded_total"] == (
+        before[1]["ec_frontend_ec_items_loaded_total"] + 1
+    )
 
 
 @pytest.mark.parametrize(

@@ -284,8 +284,9 @@ class Proxy:
             "max_tokens": 1,
             "stream": False,
         }
-        if "mm_processor_kwargs" in body:
-            item_body["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+        for scope in ("mm_processor_kwargs", "cache_salt"):
+            if scope in body:
+                item_body[scope] = body[scope]
         for attempt in range(len(urls)):
             url = urls[(start + attempt) % len(urls)]
             if attempt:
