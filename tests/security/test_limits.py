@@ -259,6 +259,9 @@ def test_processor_kwargs_inside_range_accepted(model_server: Proc) -> None:
         ("/v1/chat/completions",
          {"messages": [{"role": "user", "content": "word " * 2_000_000}]}, "messages"),
         ("/v1/responses", {"input": "word " * 2_000_000}, "input"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"note": "word " * 2_000_000}}, "messages"),
     ],
 )  # fmt: skip
 def test_prompt_text_checked_before_tokenization(

@@ -30,6 +30,12 @@ def test_defaults() -> None:
             "ec_role must be one of",
         ),
         (["--model", "/nonexistent/dir"], 2, "not a checkpoint directory"),
+        (["--max-fanout", "0"], 2, "--max-fanout must be > 0"),
+        (["--max-image-pixels", "-1"], 2, "--max-image-pixels must be > 0"),
+        (["--header-timeout", "0"], 2, "--header-timeout must be > 0"),
+        (["--max-connections", "-1"], 2, "--max-connections must be >= 0"),
+        (["--max-processing-queue", "-3"], 2, "--max-processing-queue must be >= 0"),
+        (["--image-formats", "PNG,NOPE"], 2, "unknown decoders ['NOPE']"),
     ],
 )
 def test_bad_flags_exit_cleanly(flags: list[str], code: int, message: str) -> None:

@@ -137,7 +137,11 @@ def _mime_matches(mime: str, fmt: str) -> bool:
 
 
 def check_prompt_text(parsed: ParsedRequest, limits: ResourceLimits, max_model_len: int) -> None:
-    """Reject prompt text longer than the character limit, before tokenization."""
+    """Reject prompt text longer than the character limit, before tokenization.
+
+    Counted: completion prompts (each), chat and responses text parts and the string
+    values of ``chat_template_kwargs`` (together).
+    """
     limit = limits.prompt_chars(max_model_len)
     if parsed.endpoint == "completions":
         prompts = parsed.prompts or []
@@ -149,6 +153,9 @@ def check_prompt_text(parsed: ParsedRequest, limits: ResourceLimits, max_model_l
         return
     if parsed.endpoint in ("chat", "responses"):
         size = sum(_text_chars(m) for m in parsed.messages or [])
+        # Template variables are rendered into the prompt too.
+        kwargs = parsed.chat_template_kwargs or {}
+        size += sum(len(v) for v in kwargs.values() if isinstance(v, str))
         if size > limit:
             param = "messages" if parsed.endpoint == "chat" else "input"
             raise _text_too_long(size, limit, param)
