@@ -15,4 +15,6 @@ echo "== cargo test"
 cargo test --workspace --quiet
 
 echo "== pytest"
+# tests/interop drive the server with vLLM's own code from a separate venv (first run: 5-10 min).
+bash scripts/setup_vllm.sh
 python -m pytest "$@"

@@ -40,7 +40,7 @@ _MAX_TOKEN_ID = 2**63 - 1
 #: (``-3``) and, after a collision, a random suffix (``-1a2b3c4d``).
 _CHILD_SUFFIX = re.compile(r"(-(\d+|[0-9a-f]{8}))+")
 #: Chat fields of ``/tokenize`` that go to the chat parser as they are.
-_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "chat_template_kwargs",
+_CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs",
                 "mm_processor_kwargs")  # fmt: skip
 
 
@@ -124,6 +124,17 @@ class VLLMRoutes:
     def __init__(self, app: App) -> None:
         self.app = app
 
+    def _check_model(self, model: Any) -> None:
+        """404 for a model this server does not serve.
+
+        The model's identity (the ``root`` of ``/v1/models``) is accepted beside the
+        served names: vLLM's benchmark client names the model by ``root`` here.
+        """
+        if model is not None and not isinstance(model, str):
+            raise _bad("model must be a string", "model", "invalid_type")
+        if model is None or model != self.app.config.model_id:
+            self.app.serving.check_model(model)
+
     def _tokenizer(self) -> Any:
         tokenizer = self.app.tokenizer
         if tokenizer is None:
@@ -146,11 +157,11 @@ class VLLMRoutes:
         _refuse_if_set(data, "chat_template", "the model's own chat template is used")
         _refuse_if_set(data, "media_io_kwargs", "media loading takes no options")
         app = self.app
+        self._check_model(data.get("model"))
         chat = {k: data[k] for k in _CHAT_FIELDS if k in data}
         parsed = parse_request(
             "chat", orjson.dumps(chat), model_id=app.config.model_id, limits=app.limits
         )
-        app.serving.check_model(parsed.model)
         for item in parsed.media:
             if item.data is None:
                 raise _bad(
@@ -182,10 +193,7 @@ class VLLMRoutes:
         prompt = data.get("prompt")
         if not isinstance(prompt, str):
             raise _bad("prompt must be a string", "prompt", "invalid_type")
-        model = data.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _bad("model must be a string", "model", "invalid_type")
-        self.app.serving.check_model(model)
+        self._check_model(data.get("model"))
         add_special = _flag(data, "add_special_tokens", True)
         return _encode(self._tokenizer(), prompt, add_special)
 
@@ -209,10 +217,7 @@ class VLLMRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         data = _json_object(await self.app.read_body(request))
-        model = data.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _bad("model must be a string", "model", "invalid_type")
-        self.app.serving.check_model(model)
+        self._check_model(data.get("model"))
         if "tokens" not in data:
             raise _bad("tokens is required", "tokens", "missing_field")
         ids = _token_ids(data["tokens"], "tokens", self.app.config.vocab_size)
