@@ -298,6 +298,7 @@ def test_store_is_bounded_and_expires(producer: ECSideChannelConnector) -> None:
         ({"op": "get_ec", "mm_hash": "../etc/passwd", "token": TOKEN}, "malformed"),
         ({"op": "get_ec"}, "malformed"),
         ({"op": "get_ec", "mm_hash": HASH}, "malformed"),
+        ({"op": "get_ec", "mm_hash": HASH, "token": "\u00e9" * 32}, "malformed"),
         ({"op": "delete", "mm_hash": HASH}, "malformed"),
         ({"op": "get_ec", "mm_hash": HASH, "token": TOKEN}, "no such item"),
     ],

@@ -38,6 +38,7 @@ from ec_frontend.connectors.side_channel_wire import (
     request_tensor,
     tensor_payload,
 )
+from ec_frontend.connectors.tensor_checks import all_finite
 from ec_frontend.engine.config import ECTransferConfig, KVTransferConfig, TransferTrust
 
 SECRET = b"side-channel-limits-secret-0123456789"
@@ -176,24 +177,25 @@ def test_server_cuts_a_client_dripping_its_request() -> None:
 
 
 def test_server_threads_are_bounded_and_idle_connections_expire() -> None:
-    # Before: a thread per connection, without bound, and a backlog of 5.
+    # Before: a thread per connection, without bound (and a listen backlog of 5).
     def handler(request: dict[str, Any]) -> tuple[dict[str, Any], None, None]:
         return {"ok": True}, None, None
 
-    server = SideChannelServer("127.0.0.1", 0, handler, timeout_s=1.0, workers=3, backlog=64)
-    prefix = f"side-channel-{server.port}-"
+    server = SideChannelServer("127.0.0.1", 0, handler, timeout_s=1.0, workers=3, backlog=16)
+    prefix = f"side-channel-{server.port}"
     idle: list[socket.socket] = []
     try:
         for _ in range(12):
             idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
         time.sleep(0.3)
-        threads = [t for t in threading.enumerate() if t.name.startswith(prefix)]
-        assert len(threads) == 3
-        # The idle ones are cut by the deadline, three at a time; a real request is
-        # answered once they are gone (12 / 3 * 1 s, with a wide margin).
+        threads = [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+        assert sorted(threads) == [f"{prefix}-accept", f"{prefix}_0", f"{prefix}_1", f"{prefix}_2"]
+        # The idle ones are served three at a time and cut by the deadline; a real
+        # request waits in the listen queue and is answered once they are gone
+        # (12 / 3 * 1 s, with a wide margin).
         started = time.monotonic()
         assert request_header("127.0.0.1", server.port, {}, timeout_s=30)["ok"] is True
-        assert time.monotonic() - started < 15
+        assert 3.0 <= time.monotonic() - started < 15
     finally:
         for s in idle:
             s.close()
@@ -234,8 +236,23 @@ def test_errors_never_echo_what_the_peer_sent(
 # ---- tensors are checked before they enter a cache --------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finiteness_check_is_exact(dtype: torch.dtype) -> None:
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([info.max, info.min, info.tiny, -info.tiny, 0.0, -0.0], dtype=dtype)
+    assert all_finite(extremes) and all_finite(torch.randn(300, 7).to(dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = torch.randn(300, 7).to(dtype)
+        tensor[298, 6] = bad
+        assert not all_finite(tensor)
+        assert not all_finite(tensor[::2].t())  # a non-contiguous view too
+        tensor[298, 6] = 0
+        tensor[0, 0] = bad
+        assert not all_finite(tensor[::2].t())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_non_finite_tensor_is_refused_by_the_wire(
     fake_peer: Any, bad: float, dtype: torch.dtype
 ) -> None:
@@ -394,16 +411,24 @@ def test_connections_authenticate_with_the_secret(
             call()
 
 
-def test_a_replayed_authenticated_request_is_refused(secured_server: SideChannelServer) -> None:
-    # A request recorded from an authenticated exchange answers another challenge.
+@pytest.mark.parametrize("forge", ["replay", "non-ascii", "missing"])
+def test_a_request_that_does_not_answer_this_challenge_is_refused(
+    secured_server: SideChannelServer, forge: str
+) -> None:
+    # A request recorded from an authenticated exchange does not answer another
+    # challenge; nor does a tag of the wrong kind, or none.
     with socket.create_connection(("127.0.0.1", secured_server.port), timeout=2) as sock:
         first = sock.recv(65536)
-        assert b"challenge" in first
         challenge = orjson.loads(first[4:])["challenge"]
         recorded = {"op": "x", "auth": auth_tag(SECRET, challenge, {"op": "x"})}
+    forged = {
+        "replay": recorded,
+        "non-ascii": {"op": "x", "auth": "\u00e9" * 64},
+        "missing": {"op": "x"},
+    }[forge]
     with socket.create_connection(("127.0.0.1", secured_server.port), timeout=2) as sock:
         sock.recv(65536)
-        sock.sendall(frame(recorded))
+        sock.sendall(frame(forged))
         answer = orjson.loads(sock.recv(65536)[4:])
     assert answer == {"ok": False, "code": "unauthorized"}
 

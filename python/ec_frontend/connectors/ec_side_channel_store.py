@@ -24,7 +24,7 @@ import torch
 
 from ec_frontend._core import is_valid_mm_hash
 from ec_frontend.connectors.side_channel_wire import SideChannelServer, tensor_payload
-from ec_frontend.connectors.transfer_trust import TOKEN_KEY, new_token
+from ec_frontend.connectors.transfer_trust import TOKEN_KEY, new_token, valid_token
 from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
@@ -116,8 +116,8 @@ class ItemStore:
         mm_hash, op, token = request.get("mm_hash"), request.get("op"), request.get(TOKEN_KEY)
         if op not in ("get_ec", "release") or not isinstance(mm_hash, str):
             raise ValueError("expected {'op': 'get_ec' | 'release', 'mm_hash': <hex>, 'token'}")
-        if not is_valid_mm_hash(mm_hash) or not isinstance(token, str):
-            raise ValueError("mm_hash must be lower-case hex, token a string")
+        if not is_valid_mm_hash(mm_hash) or not valid_token(token):
+            raise ValueError("mm_hash must be lower-case hex, token 32 hex digits")
         item = self.get(mm_hash)
         if item is None or not hmac.compare_digest(item.token, token):
             raise KeyError("no such item here (never computed, pulled, expired, or wrong token)")

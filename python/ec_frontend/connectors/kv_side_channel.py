@@ -72,6 +72,7 @@ from ec_frontend.connectors.transfer_trust import (
     loggable,
     new_token,
     signed,
+    valid_token,
 )
 from ec_frontend.engine.config import ConfigError
 
@@ -146,7 +147,7 @@ class _State:
 
     def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes, Any]:
         rid, token = request.get("remote_request_id"), request.get(TOKEN_KEY)
-        if request.get("op") != "get_kv" or not isinstance(rid, str) or not isinstance(token, str):
+        if request.get("op") != "get_kv" or not isinstance(rid, str) or not valid_token(token):
             raise ValueError("expected {'op': 'get_kv', 'remote_request_id': ..., 'token': ...}")
         if request.get("remote_engine_id") != self.engine_id:
             raise KeyError("remote_engine_id names another engine")

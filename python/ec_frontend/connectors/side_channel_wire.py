@@ -16,9 +16,9 @@ the challenge and the rest of the request; anything else is refused
 Bounds: a header over :data:`MAX_HEADER_BYTES` or a payload over the reader's
 limit ends the exchange with :class:`WireError`; ``timeout_s`` bounds the whole
 exchange (connect, request, answer and payload together), not each socket
-operation, at both ends. The server runs ``workers`` threads that accept
-connections themselves, so connections beyond them wait in a listen backlog of
-``backlog``. Errors never quote what the peer sent: a port that answers with
+operation, at both ends. The server serves connections on a pool of
+``workers`` threads and accepts only when one is free; the listen queue holds
+``backlog`` more. Errors never quote what the peer sent: a port that answers with
 something else is "not a side-channel peer", whatever its bytes were.
 """
 
@@ -36,6 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -186,6 +187,7 @@ def _exchange(
     deadline = Deadline(timeout_s)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if secret is not None:
                 try:
                     hello = recv_header(sock, deadline)
@@ -267,12 +269,15 @@ Handler = Callable[[dict[str, Any]], tuple[dict[str, Any], bytes | None, Callabl
 
 
 class SideChannelServer:
-    """Serves one request per connection on ``workers`` threads that accept for themselves.
+    """Serves one request per connection on a pool of ``workers`` threads.
 
     ``port`` 0 binds an ephemeral port (read :attr:`port` after construction).
     A handler exception becomes an ``ok: false`` answer; the server goes on.
-    Each connection is bounded by ``timeout_s`` in all; at most ``workers`` are
-    served at once and ``backlog`` more wait to be accepted.
+    One thread accepts, and only when a worker is free: at most ``workers``
+    connections are served at once, the kernel's listen queue holds up to
+    ``backlog`` more, and beyond that new connections wait for the kernel
+    (their own deadlines bound them). Each accepted connection is bounded by
+    ``timeout_s`` in all.
     """
 
     def __init__(
@@ -291,38 +296,47 @@ class SideChannelServer:
         self._secret = secret
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=backlog)
-        self._listener.settimeout(0.5)
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(workers)
         self.host = host
         self.port = int(self._listener.getsockname()[1])
-        self._threads = [
-            threading.Thread(
-                target=self._accept_loop, name=f"side-channel-{self.port}-{i}", daemon=True
-            )
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"side-channel-{self.port}")
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"side-channel-{self.port}-accept", daemon=True
+        )
+        self._acceptor.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            if not self._slots.acquire(timeout=0.5):
+                continue
             try:
                 conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
             except OSError:
+                self._slots.release()
                 if self._closed.is_set():
                     return
                 time.sleep(0.05)
                 continue
-            with conn:
-                try:
-                    self._serve_one(conn)
-                except Exception:
-                    logger.exception("side channel: serving a connection failed")
+            deadline = Deadline(self._timeout_s)
+            try:
+                self._pool.submit(self._serve_conn, conn, deadline)
+            except RuntimeError:
+                self._slots.release()
+                conn.close()
+                return
 
-    def _serve_one(self, sock: socket.socket) -> None:
-        deadline = Deadline(self._timeout_s)
+    def _serve_conn(self, conn: socket.socket, deadline: Deadline) -> None:
+        try:
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._serve_one(conn, deadline)
+        except Exception:
+            logger.exception("side channel: serving a connection failed")
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, sock: socket.socket, deadline: Deadline) -> None:
         try:
             challenge = None
             if self._secret is not None:
@@ -366,6 +380,7 @@ class SideChannelServer:
         return (
             secret is not None
             and isinstance(tag, str)
+            and tag.isascii()
             and hmac.compare_digest(tag, auth_tag(secret, challenge, request))
         )
 
@@ -373,9 +388,9 @@ class SideChannelServer:
         self._closed.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
-            thread.join(timeout=1.0)
+        self._acceptor.join(timeout=1.0)
         self._listener.close()
+        self._pool.shutdown(wait=False)
 
 
 def env_setting(names: tuple[str, ...], default: str) -> str:

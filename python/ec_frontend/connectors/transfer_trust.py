@@ -89,21 +89,28 @@ def signed(
 
 
 class _Nonces:
-    """Nonces of accepted entries until they expire: a replay is refused."""
+    """Nonces of accepted entries until they expire: a replay is refused.
+
+    Expired nonces are dropped every ``PURGE_S`` (or when ``LIMIT`` is reached);
+    at the limit with nothing expired, new entries are refused.
+    """
 
     LIMIT = 1 << 20
+    PURGE_S = 30.0
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seen: dict[str, int] = {}
+        self.next_purge = time.monotonic() + self.PURGE_S
 
     def claim(self, nonce: str, expires: int) -> bool:
         with self.lock:
             if nonce in self.seen:
                 return False
-            if len(self.seen) >= self.LIMIT:
-                now = time.time() - CLOCK_SKEW_S
-                self.seen = {n: e for n, e in self.seen.items() if e >= now}
+            if len(self.seen) >= self.LIMIT or time.monotonic() >= self.next_purge:
+                cutoff = time.time() - CLOCK_SKEW_S
+                self.seen = {n: e for n, e in self.seen.items() if e >= cutoff}
+                self.next_purge = time.monotonic() + self.PURGE_S
                 if len(self.seen) >= self.LIMIT:
                     return False
             self.seen[nonce] = expires
