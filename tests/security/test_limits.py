@@ -199,6 +199,14 @@ def test_other_default_formats_decode(model_server: Proc) -> None:
         data = encoded(Image.new("RGB", (56, 56), (10, 200, 30)), fmt)
         r = post(model_server, "/v1/chat/completions", chat_body([data_url(data, mime)]))
         assert r.status_code == 200, (fmt, r.text)
+    # A JPEG with two pictures (as phone cameras write) is MPO to Pillow's JPEG decoder.
+    buf = io.BytesIO()
+    first, second = Image.new("RGB", (56, 56), (1, 2, 3)), Image.new("RGB", (56, 56))
+    first.save(buf, format="MPO", save_all=True, append_images=[second])
+    r = post(
+        model_server, "/v1/chat/completions", chat_body([data_url(buf.getvalue(), "image/jpeg")])
+    )
+    assert r.status_code == 200, r.text
 
 
 def test_configured_decoder_set_and_item_count(mock_server: Proc) -> None:

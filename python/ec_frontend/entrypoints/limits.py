@@ -125,8 +125,11 @@ def check_media(media: Sequence[Any], limits: ResourceLimits) -> None:
 
 
 #: MIME types each decoder answers to, beyond Pillow's own ``image/<format>``.
+_JPEG_TYPES = frozenset({"image/jpeg", "image/jpg", "image/pjpeg"})
 _MIME_ALIASES: dict[str, frozenset[str]] = {
-    "JPEG": frozenset({"image/jpeg", "image/jpg", "image/pjpeg"}),
+    "JPEG": _JPEG_TYPES,
+    # Pillow's JPEG decoder names a multi-picture JPEG (as phone cameras write) MPO.
+    "MPO": _JPEG_TYPES,
     "BMP": frozenset({"image/bmp", "image/x-bmp", "image/x-ms-bmp"}),
 }
 
