@@ -165,6 +165,8 @@ def test_decompression_bomb_costs_no_memory(model_server: Proc) -> None:
         assert_error(r, 400, "image_too_large", "messages[0].content[1].image_url")
         assert "--max-image-pixels" in r.json()["error"]["message"]
         assert time.monotonic() - started < 5.0
+    r = post(model_server, "/tokenize", chat_body([bomb]))
+    assert_error(r, 400, "image_too_large")
     assert_healthy(model_server)
     assert_rss_back(model_server, baseline, "bomb")
 
@@ -267,6 +269,7 @@ def test_processor_kwargs_inside_range_accepted(model_server: Proc) -> None:
         ("/v1/chat/completions",
          {"messages": [{"role": "user", "content": "word " * 2_000_000}]}, "messages"),
         ("/v1/responses", {"input": "word " * 2_000_000}, "input"),
+        ("/tokenize", {"prompt": "word " * 2_000_000}, "prompt"),
         ("/v1/chat/completions",
          {"messages": [{"role": "user", "content": "hi"}],
           "chat_template_kwargs": {"note": "word " * 2_000_000}}, "messages"),

@@ -4,8 +4,8 @@ timeout and a connection cap.
 uvicorn with httptools (tried on a bare app) answers a request with an 8 MiB
 header (httptools gathers a header value whole, so a huge one also takes
 quadratic time), answers a 20 KB URL, and holds a connection that never sends
-a byte (its keep-alive timer starts only after a first response). :func:`hardened_protocol` returns a subclass of its
-``HttpToolsProtocol`` that
+a byte (its keep-alive timer starts only after a first response).
+:func:`hardened_protocol` returns a subclass of its ``HttpToolsProtocol`` that
 
 * answers 414 when the request target exceeds ``max_url_bytes`` and 431 when
   the head (request line and headers) exceeds ``max_header_bytes``, counting

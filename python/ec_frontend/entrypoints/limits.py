@@ -152,7 +152,7 @@ def check_prompt_text(parsed: ParsedRequest, limits: ResourceLimits, max_model_l
             size = len(prompt) if isinstance(prompt, str) else 0
             if size > limit:
                 param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                raise _text_too_long(size, limit, param)
+                raise text_too_long(size, limit, param)
         return
     if parsed.endpoint in ("chat", "responses"):
         size = sum(_text_chars(m) for m in parsed.messages or [])
@@ -161,7 +161,7 @@ def check_prompt_text(parsed: ParsedRequest, limits: ResourceLimits, max_model_l
         size += sum(len(v) for v in kwargs.values() if isinstance(v, str))
         if size > limit:
             param = "messages" if parsed.endpoint == "chat" else "input"
-            raise _text_too_long(size, limit, param)
+            raise text_too_long(size, limit, param)
 
 
 def _text_chars(message: Mapping[str, Any]) -> int:
@@ -176,7 +176,7 @@ def _text_chars(message: Mapping[str, Any]) -> int:
     return total
 
 
-def _text_too_long(size: int, limit: int, param: str) -> APIError:
+def text_too_long(size: int, limit: int, param: str) -> APIError:
     return APIError(
         400,
         f"the prompt text has {size} characters; at most {limit} are allowed (--max-prompt-chars)",

@@ -34,6 +34,7 @@ from ec_frontend.entrypoints.limits import (
     check_fanout,
     check_media,
     check_prompt_text,
+    text_too_long,
     too_busy,
 )
 from ec_frontend.entrypoints.sampling import build_sampling_params
@@ -112,14 +113,27 @@ class Serving:
 
     # ------------------------------------------------------------ processing
 
-    def check_limits(self, parsed: ParsedRequest) -> int:
-        """The request's resource bounds, checked before anything is decoded or
-        tokenized; the number of engine requests it becomes."""
+    def check_input_limits(self, parsed: ParsedRequest) -> int:
+        """The request's own resource bounds (fan-out, prompt text, token count, image
+        headers), checked before anything is decoded or tokenized; the number of
+        engine requests it becomes."""
         limits = self.config.limits
         count = check_fanout(parsed, limits)
         check_prompt_text(parsed, limits, self.config.max_model_len)
         self._check_token_count(parsed)
         check_media(parsed.media, limits)
+        return count
+
+    def check_text_chars(self, size: int, param: str) -> None:
+        """A text of ``size`` characters that is about to be tokenized (``/tokenize``)."""
+        limit = self.config.limits.prompt_chars(self.config.max_model_len)
+        if size > limit:
+            raise text_too_long(size, limit, param)
+
+    def check_limits(self, parsed: ParsedRequest) -> int:
+        """:meth:`check_input_limits`, then room for the engine requests (429)."""
+        limits = self.config.limits
+        count = self.check_input_limits(parsed)
         if len(self._active) + count > limits.max_engine_requests:
             raise too_busy(
                 f"the server has {len(self._active)} engine requests in flight; at most "
@@ -148,11 +162,15 @@ class Serving:
                     code="context_length_exceeded",
                 )
 
+    async def run_processing(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the bounded processing pool (inline without one)."""
+        if self.pool is not None:
+            return await self.pool.run(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
     async def _process(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self.pool is not None:
-                return await self.pool.run(fn, *args, **kwargs)
-            return fn(*args, **kwargs)
+            return await self.run_processing(fn, *args, **kwargs)
         except APIError:
             raise
         except MemoryError as exc:

@@ -18,7 +18,6 @@ answers differently).
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -170,9 +169,10 @@ class VLLMRoutes:
                     item.param,
                     "unsupported_media_url",
                 )
+        app.serving.check_input_limits(parsed)
         processor = app.engine.processor
         try:
-            inputs = await asyncio.to_thread(
+            inputs = await app.serving.run_processing(
                 processor.process_chat,
                 parsed.messages,
                 parsed.media,
@@ -194,6 +194,7 @@ class VLLMRoutes:
         if not isinstance(prompt, str):
             raise _bad("prompt must be a string", "prompt", "invalid_type")
         self._check_model(data.get("model"))
+        self.app.serving.check_text_chars(len(prompt), "prompt")
         add_special = _flag(data, "add_special_tokens", True)
         return _encode(self._tokenizer(), prompt, add_special)
 
