@@ -380,6 +380,23 @@ def test_proxy_body_limit(proxied: tuple[Proc, Proc]) -> None:
     assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
 
 
+def test_proxy_announced_huge_body_costs_nothing(proxied: tuple[Proc, Proc]) -> None:
+    """The M6 body (200 MiB) is refused from its Content-Length, unread."""
+    proxy, _ = proxied
+    for _ in range(3):
+        assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
+    baseline = rss_kib(proxy.proc.pid)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(200 * 1024 * 1024).encode() + b"\r\n\r\n"
+    )
+    response = raw_exchange(proxy, head + b'{"messages": [' + b" " * 65536)
+    assert status_of(response) == 413
+    assert error_code(response) == "request_too_large"
+    assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
+    assert rss_kib(proxy.proc.pid) <= baseline * 1.10
+
+
 def test_proxy_media_items_refused_before_any_encoder_request(
     proxied: tuple[Proc, Proc],
 ) -> None:
