@@ -143,6 +143,9 @@ def parse_transfer_peers(spec: str) -> tuple[PeerRule, ...]:
     return tuple(rules)
 
 
+_LOOPBACK = parse_transfer_peers(DEFAULT_TRANSFER_PEERS)
+
+
 @dataclass(frozen=True)
 class TransferTrust:
     """Which transfer params an instance acts on (DESIGN 4.3, ``docs/security.md``).
@@ -171,7 +174,7 @@ class TransferTrust:
         """The rules every peer must pass (``None``: no address rule applies)."""
         if self.peers is not None or self.secret is not None:
             return self.peers
-        return parse_transfer_peers(DEFAULT_TRANSFER_PEERS)
+        return _LOOPBACK
 
     @classmethod
     def from_options(
