@@ -359,6 +359,7 @@ def test_loggable_keeps_client_text_short_and_printable() -> None:
 # ---- real processes ------------------------------------------------------------------------
 
 TEST_SECRET = "transfer-trust-process-secret-0123"
+OTHER_SECRET = "another-proxy-secret-012"
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +378,8 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Any]]:
     proxies = {
         "px": proxy("px", decode=[procs["open"].url], secret=None),
         "px_signed": proxy("px_signed", encode=[e], decode=[pd], secret=TEST_SECRET),
-        "px_other": proxy("px_other", encode=[e], decode=[pd], secret="another-proxy-secret-012"),
+        "px_other": proxy("px_other", encode=[e], decode=[pd], secret=OTHER_SECRET),
+        "px_other_pd": proxy("px_other_pd", prefill=[pd], decode=[pd], secret=OTHER_SECRET),
     }
     start_all(list(proxies.values()))
     yield {**procs, **proxies, "recorder": rec}
@@ -497,3 +499,12 @@ def test_proxy_with_the_secret_checks_what_the_encoders_issued(dep: dict[str, An
     assert r.status_code == 200 and r.headers["x-ec-fallback"] == "local-encode"
     assert pd.metric("encoder_items_computed_total") == computed + 1
     assert "fail: bad signature" in dep["px_other"].output()
+
+
+@pytest.mark.slow
+def test_proxy_with_another_secret_refuses_prefill_params(dep: dict[str, Any]) -> None:
+    body = {"token_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_tokens": 2}}
+    r = httpx.post(dep["px_other_pd"].url + "/inference/v1/generate", json=body, timeout=60)
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert error["code"] == "untrusted_kv" and "bad signature" in error["message"]
