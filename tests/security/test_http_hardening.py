@@ -80,12 +80,14 @@ def raw_exchange(proc: Proc, data: bytes, timeout: float = 10.0) -> bytes:
     with socket.create_connection(("127.0.0.1", proc.port), timeout=timeout) as s:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(data)
-        chunks = []
-        try:
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
-        except ConnectionResetError:
-            pass
+        return read_until_closed(s)
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    chunks = []
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
@@ -166,7 +168,7 @@ def test_slow_head_is_408(server: Proc) -> None:
         time.sleep(0.5)
         s.sendall(b"X-Slow: 1\r\n")
         started = time.monotonic()
-        response = s.recv(65536)
+        response = read_until_closed(s)
         assert time.monotonic() - started < 6
     assert status_of(response) == 408
     assert error_code(response) == "request_timeout"
@@ -182,11 +184,8 @@ def test_slow_body_is_408(server: Proc) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(head + b'{"prompt": ')
         started = time.monotonic()
-        chunks = []
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
+        response = read_until_closed(s)
         assert time.monotonic() - started < 6
-    response = b"".join(chunks)
     assert status_of(response) == 408
     assert error_code(response) == "body_timeout"
     assert requests_total(server, "/v1/completions", 408) == before + 1
@@ -220,6 +219,51 @@ def test_idle_connections_cannot_take_the_server_offline() -> None:
             s.close()
     assert_healthy(proc)
     assert proc.stop() == 0
+
+
+def test_cap_with_every_connection_busy_is_503_and_keep_alive_ends() -> None:
+    """With two connections allowed and both streaming, a third is answered 503
+    (``Retry-After``) and closed; an idle keep-alive connection is closed after
+    --keep-alive-timeout."""
+    proc = Proc(
+        "serve",
+        ["--mock-engine", "--mock-token-latency-ms", "100", "--max-connections", "2",
+         "--keep-alive-timeout", "1"],
+        "two-connection server",
+    ).wait_ready()  # fmt: skip
+    body = b'{"prompt": "abc", "max_tokens": 30, "stream": true}'
+    try:
+        with (
+            httpx.Client(base_url=proc.url, timeout=30) as a,
+            httpx.Client(base_url=proc.url, timeout=30) as b,
+        ):
+            streams = [c.stream("POST", "/v1/completions", content=body) for c in (a, b)]
+            responses = [s.__enter__() for s in streams]
+            try:
+                assert [r.status_code for r in responses] == [200, 200]
+                refused_response = raw_exchange(proc, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert status_of(refused_response) == 503
+                assert error_code(refused_response) == "too_many_connections"
+                assert b"retry-after: 1" in refused_response.lower()
+            finally:
+                for s in streams:
+                    s.__exit__(None, None, None)
+        deadline = time.monotonic() + 10  # until the server has seen both clients leave
+        while httpx.get(proc.url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert refused(proc, "connection_cap") >= 1
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = b""
+            while not first.endswith(b'{"status":"ok"}'):
+                first += s.recv(65536)
+            assert status_of(first) == 200
+            started = time.monotonic()
+            assert s.recv(65536) == b""  # closed by the keep-alive timeout
+            assert 0.5 < time.monotonic() - started < 6
+    finally:
+        assert proc.stop() == 0
 
 
 def test_mid_upload_disconnect_is_a_quiet_499(server: Proc) -> None:
