@@ -171,7 +171,7 @@ def _refusal(header: dict[str, Any]) -> WireError:
     if "challenge" in header:
         return WireError("the peer requires authentication, and no transfer secret is set here")
     code = header.get("code")
-    reason = REFUSALS.get(code, "no known reason given") if isinstance(code, str) else None
+    reason = REFUSALS.get(code) if isinstance(code, str) else None
     return WireError(f"peer refused: {reason or 'no known reason given'}")
 
 
@@ -236,9 +236,9 @@ def request_tensor(
         nbytes = header.get("nbytes")
         expected = tensor_nbytes(got_dtype, got_shape)
         if nbytes != expected:
-            raise WireError(f"announced payload size does not match {got_dtype}{got_shape}")
+            raise WireError("the announced payload size does not match its dtype and shape")
         if expected > max_bytes:
-            raise WireError(f"payload of {expected} bytes exceeds the limit of {max_bytes}")
+            raise WireError(f"the announced payload exceeds the limit of {max_bytes} bytes")
         data = _recv_exact(sock, expected, deadline)
     flat = torch.frombuffer(data, dtype=torch.uint8) if expected else torch.empty(0).byte()
     tensor = flat.view(DTYPES[got_dtype]).reshape(got_shape)
