@@ -197,7 +197,7 @@ def test_slow_body_is_408(server: Proc) -> None:
 
 def test_idle_connections_cannot_take_the_server_offline() -> None:
     """1,100 idle connections against a cap of 100 (and a head timeout long enough to
-    keep them all): each new connection closes the quietest idle one, so clients that
+    keep them all): each new connection closes the longest-waiting idle one, so clients that
     send requests are still served."""
     proc = Proc(
         "serve",

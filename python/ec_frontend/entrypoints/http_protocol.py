@@ -14,8 +14,10 @@ a byte (its keep-alive timer starts only after a first response).
   after its first byte (408) or, for a new connection, after it opened
   (silently: it never asked for anything);
 * keeps at most ``max_connections`` open: a new connection over the cap
-  closes the longest-quiet connection that has no request running, or, when
-  every one is busy, is answered 503 and closed.
+  closes the connection that has waited longest without a running request
+  (an idle keep-alive connection, or one still sending its head), or, when
+  every one is busy, is answered 503 and closed. The waiting connections are
+  kept in arrival order, so finding the one to close costs O(1).
 
 Keep-alive idle time is uvicorn's own ``timeout_keep_alive``; the body's read
 deadline is the app's (``ServerConfig.body_timeout_s``), which can answer 408.
@@ -29,7 +31,7 @@ import asyncio
 import http
 import importlib.util
 import resource
-import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +88,9 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
     def count(reason: str) -> None:
         refused.inc((reason,))
 
+    # Connections without a running request, longest-waiting first (eviction order).
+    idle: OrderedDict[HardenedHttpToolsProtocol, None] = OrderedDict()
+
     class HardenedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -94,7 +99,6 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
             self._header_bytes = 0
             self._head_timer: asyncio.TimerHandle | None = None
             self._refusal: tuple[int, str, int] | None = None
-            self._last_active = time.monotonic()
 
         # ---- connection -----------------------------------------------------
 
@@ -104,9 +108,11 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
                 count("connection_cap")
                 self._refuse(503)
                 return
+            idle[self] = None
             self._arm_head_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            idle.pop(self, None)
             self._cancel_head_timer()
             super().connection_lost(exc)
 
@@ -114,18 +120,15 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
             return self.cycle is not None and not self.cycle.response_complete
 
         def _evict_one(self) -> bool:
-            """Close the longest-quiet connection without a running request."""
-            idle = [
-                c
-                for c in self.connections
-                if c is not self and isinstance(c, HardenedHttpToolsProtocol) and not c._busy()
-            ]
-            if not idle:
-                return False
-            victim = min(idle, key=lambda c: c._last_active)
-            count("evicted_idle")
-            victim.transport.close()
-            return True
+            """Close the connection that has waited longest without a running request."""
+            while idle:
+                victim, _ = idle.popitem(last=False)
+                if victim.transport.is_closing() or victim._busy():
+                    continue
+                count("evicted_idle")
+                victim.transport.close()
+                return True
+            return False
 
         # ---- head limits ----------------------------------------------------
 
@@ -158,7 +161,6 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return
-            self._last_active = time.monotonic()
             if self._reading_head:
                 if self._head_bytes == 0 and self._head_timer is None:
                     self._arm_head_timer()
@@ -205,7 +207,13 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
         def on_headers_complete(self) -> None:
             self._reading_head = False
             self._cancel_head_timer()
+            idle.pop(self, None)
             super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and not self._busy():
+                idle[self] = None
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -277,7 +285,7 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
         ("--keep-alive-timeout", float, d.keep_alive_timeout_s,
          "seconds an idle keep-alive connection stays open (default %(default)s)"),
         ("--max-connections", int, 0,
-         "open connections; a new one over the cap closes the quietest idle one "
+         "open connections; a new one over the cap closes the longest-waiting idle one "
          "(default: below the open-file limit, at most 10000)"),
     ])  # fmt: skip
 
