@@ -1,9 +1,12 @@
 """The OpenAI-compatible FastAPI app.
 
 Bodies are read raw (bounded by ``max_body_bytes``, checked on
-``Content-Length`` and again while streaming in) and parsed by
-``ec_frontend._core.parse_request``; pydantic models exist only to describe the
-API on ``/docs``. Responses are serialized with orjson. Every error, whatever
+``Content-Length`` and again while streaming in, and by ``body_timeout_s``; a
+refused body is not read further: the connection closes) and parsed by
+``ec_frontend._core.parse_request``; the request's resource limits
+(:mod:`~ec_frontend.entrypoints.limits`) are checked before its inputs are
+processed. A client gone mid-upload is a 499. Pydantic models exist only to
+describe the API on ``/docs``. Responses are serialized with orjson. Every error, whatever
 raised it, is rendered by :func:`~ec_frontend.entrypoints.errors.error_response`.
 """
 
@@ -166,6 +169,7 @@ class App:
                     413,
                     f"request body of {length} bytes exceeds the limit of {limit} bytes",
                     code="request_too_large",
+                    headers=_CLOSE,
                 )
         chunks: list[bytes] = []
         size = 0
