@@ -1,5 +1,6 @@
 """vLLM's extra routes (``/tokenize``, ``/detokenize``, ``/version``, ``/ping``,
-``/inference/v1/abort_requests``) and the sampling fixes of issue 8, over real HTTP.
+``/inference/v1/abort_requests``) and the sampling and detokenization fixes of
+issue 8, over real HTTP.
 
 The mock server's tokenizer maps a character to its code point, so expected ids
 are known exactly; the built-in model checks what only a real tokenizer and chat
@@ -300,3 +301,24 @@ def test_model_seed_minus_one_is_unseeded(model_client: openai.OpenAI) -> None:
     # A fixed seed repeats itself; -1 (no seed) does not.
     assert sample(7) == sample(7)
     assert sample(-1) != sample(-1)
+
+
+def test_model_text_of_unfinished_characters_is_released_at_the_end(
+    model_client: openai.OpenAI,
+) -> None:
+    # The built-in model's greedy answer here ends in bytes that never form a
+    # character: that text arrives with the last chunk (as U+FFFD), not never.
+    args: Any = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "say something long"}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = model_client.chat.completions.create(**args)
+    text = whole.choices[0].message.content or ""
+    assert text.endswith("\ufffd")
+    chunks = [c for c in model_client.chat.completions.create(**args, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks[1:]]
+    assert len(deltas) == 24 and all(d.content is not None for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == text
