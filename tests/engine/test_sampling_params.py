@@ -71,3 +71,24 @@ def test_stop_token_ids_outside_the_vocabulary() -> None:
             params.check_vocab(vocab)
         assert info.value.param == "stop_token_ids"
         assert bad in info.value.message
+
+
+def test_refused_sampling_params_reserve_no_engine_request_id() -> None:
+    import asyncio
+
+    from ec_frontend._core import parse_request
+    from ec_frontend.entrypoints.errors import APIError
+    from ec_frontend.entrypoints.mock_engine import MockEngine
+    from ec_frontend.entrypoints.serving import Serving, ServingConfig
+    from ec_frontend.metrics import ServerMetrics
+
+    serving = Serving(
+        MockEngine(),
+        ServingConfig(("m",), 4096, offload_processing=False, vocab_size=100),
+        ServerMetrics(),
+    )
+    body = b'{"prompt": "hi", "n": 2, "stop_token_ids": [100]}'
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.make_jobs(parse_request("completions", body), "rid"))
+    assert (info.value.status, info.value.param) == (400, "stop_token_ids")
+    assert serving.active_ids() == []

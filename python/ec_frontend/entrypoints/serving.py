@@ -237,10 +237,10 @@ class Serving:
         single = n * len(prompts) == 1
         for p, (inputs, _, text) in enumerate(prompts):
             for i in range(n):
-                rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
                 params = build_sampling_params(
                     sampling, choice=i, vocab_size=self.config.vocab_size
                 )
+                rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
                 jobs.append(Job(p * n + i, p, rid, inputs, params, text))
         return jobs
 
