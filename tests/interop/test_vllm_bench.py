@@ -20,7 +20,8 @@ import pytest
 from ..helpers.processes import Proc
 from .conftest import run_vllm
 
-pytestmark = pytest.mark.slow
+#: The first test also runs the driver (vLLM's import alone takes 15-30 s on a cold disk).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_PROMPTS = 40
 CONCURRENCY = 8
