@@ -18,6 +18,7 @@ from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECLoadSpec,
 )
+from ec_frontend.connectors.example_storage import ECExampleConnector
 from ec_frontend.connectors.factory import create_ec_connector, ec_connector_names
 from ec_frontend.connectors.noop import NoOpECConnector
 from ec_frontend.connectors.shared_storage import ECSharedStorageConnector
@@ -144,7 +145,7 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
         "from ec_frontend.connectors.base import ECConnectorRole\n"
         "from ec_frontend.connectors.factory import create_ec_connector\n"
         "from ec_frontend.engine.config import ECTransferConfig\n"
-        "cfg = ECTransferConfig('ECExampleConnector', 'ec_producer',"
+        "cfg = ECTransferConfig('ECSharedStorageConnector', 'ec_producer',"
         " {'shared_storage_path': sys.argv[1]})\n"
         "conn = create_ec_connector(cfg, ECConnectorRole.WORKER)\n"
         "t = torch.arange(4096, dtype=torch.float32).reshape(128, 32)\n"
@@ -248,16 +249,16 @@ def test_factory_errors(config: dict[str, Any], error: str) -> None:
         create_ec_connector(ECTransferConfig.from_json(config), ECConnectorRole.WORKER)
 
 
-def test_factory_alias_and_noop(tmp_path: Path) -> None:
+def test_factory_example_and_noop(tmp_path: Path) -> None:
     assert {"ECSharedStorageConnector", "ECExampleConnector", "NoOpECConnector"} <= set(
         ec_connector_names()
     )
-    alias = create_ec_connector(
+    example = create_ec_connector(
         ECTransferConfig("ECExampleConnector", "ec_both", {"shared_storage_path": str(tmp_path)}),
         ECConnectorRole.SCHEDULER,
     )
-    assert type(alias) is ECSharedStorageConnector
-    assert alias.is_producer and alias.is_consumer
+    assert type(example) is ECExampleConnector
+    assert example.is_producer and example.is_consumer
     noop = create_ec_connector(ECTransferConfig("NoOpECConnector", "ec_consumer"),
                                ECConnectorRole.WORKER)  # fmt: skip
     assert isinstance(noop, NoOpECConnector)

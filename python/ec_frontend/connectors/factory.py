@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 _EC_CONNECTORS: dict[str, str] = {
     "ECSharedStorageConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
-    "ECExampleConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
+    "ECExampleConnector": "ec_frontend.connectors.example_storage:ECExampleConnector",
     "NoOpECConnector": "ec_frontend.connectors.noop:NoOpECConnector",
     "ECSideChannelConnector": "ec_frontend.connectors.ec_side_channel:ECSideChannelConnector",
 }

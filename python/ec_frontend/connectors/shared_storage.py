@@ -25,6 +25,7 @@ import logging
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,7 +66,13 @@ def _optional_positive(extra: Any, key: str) -> int | None:
 
 
 class ECSharedStorageConnector(ECConnectorBase):
-    """Encoder outputs as files under ``shared_storage_path``."""
+    """Encoder outputs as files under ``shared_storage_path``.
+
+    The file layout is in the ``_lstat_item`` ... ``_remove`` methods, so a
+    subclass can store the same files under other names.
+    """
+
+    tensor_key = TENSOR_KEY
 
     def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
         super().__init__(config, role)
@@ -96,7 +103,7 @@ class ECSharedStorageConnector(ECConnectorBase):
         if not is_valid_mm_hash(mm_hash):
             return False
         try:
-            st = os.lstat(os.path.join(self.root, mm_hash + SUFFIX))
+            st = self._lstat_item(mm_hash)
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode)
@@ -135,7 +142,7 @@ class ECSharedStorageConnector(ECConnectorBase):
 
     def _read(self, spec: ECLoadSpec) -> torch.Tensor | None:
         try:
-            fd = os.open(self.path_for(spec.mm_hash), _OPEN_FLAGS)
+            fd = self._open_item(spec.mm_hash)
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
                 if not stat.S_ISREG(st.st_mode):
@@ -143,13 +150,13 @@ class ECSharedStorageConnector(ECConnectorBase):
                 if st.st_size > self.max_item_bytes:
                     raise ValueError(f"{st.st_size} bytes, over max_item_bytes")
                 data = f.read(self.max_item_bytes + 1)
-            tensor = load_safetensors(data).get(TENSOR_KEY)
+            tensor = load_safetensors(data).get(self.tensor_key)
         except (OSError, ValueError, SafetensorError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else exc
             logger.warning("EC load of %s failed: %s", spec.mm_hash, reason)
             return None
         if tensor is None or tensor.dim() != 2:
-            logger.warning("EC file of %s holds no 2-D %r tensor", spec.mm_hash, TENSOR_KEY)
+            logger.warning("EC file of %s holds no 2-D %r tensor", spec.mm_hash, self.tensor_key)
             return None
         problem = tensor_problem(tensor, shape=[spec.num_tokens, tensor.shape[1]])
         if problem is not None:
@@ -158,16 +165,16 @@ class ECSharedStorageConnector(ECConnectorBase):
         return tensor
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
-        path = self.path_for(mm_hash)
+        self.path_for(mm_hash)  # refuses an invalid hash before anything is written
         tensor = encoder_cache[mm_hash].detach().to("cpu").contiguous()
-        data = save_safetensors({TENSOR_KEY: tensor}, metadata={"mm_hash": mm_hash})
+        data = save_safetensors({self.tensor_key: tensor}, metadata={"mm_hash": mm_hash})
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=_TMP_PREFIX, suffix=".part")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            self._place(tmp, mm_hash)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -177,7 +184,32 @@ class ECSharedStorageConnector(ECConnectorBase):
             self._enforce_capacity()
 
     def _enforce_capacity(self) -> None:
-        entries: list[tuple[int, str, int]] = []
+        entries = sorted(self._stored_items())
+        count = len(entries)
+        total = sum(size for _, _, size in entries)
+        for _, mm_hash, size in entries:
+            over_items = self.max_items is not None and count > self.max_items
+            over_bytes = self.max_bytes is not None and total > self.max_bytes
+            if not (over_items or over_bytes):
+                break
+            self._remove(mm_hash)
+            count -= 1
+            total -= size
+
+    # ---- file layout: <root>/<mm_hash>.safetensors ----------------------
+
+    def _lstat_item(self, mm_hash: str) -> os.stat_result:
+        return os.lstat(self.path_for(mm_hash))
+
+    def _open_item(self, mm_hash: str) -> int:
+        return os.open(self.path_for(mm_hash), _OPEN_FLAGS)
+
+    def _place(self, tmp: str, mm_hash: str) -> None:
+        """Rename the complete file ``tmp`` (in ``root``) to ``mm_hash``'s name."""
+        os.replace(tmp, self.path_for(mm_hash))
+
+    def _stored_items(self) -> Iterator[tuple[int, str, int]]:
+        """``(mtime_ns, mm_hash, size)`` of every stored regular file."""
         with os.scandir(self.root) as it:
             for entry in it:
                 name = entry.name
@@ -187,18 +219,9 @@ class ECSharedStorageConnector(ECConnectorBase):
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                entries.append((st.st_mtime_ns, name, st.st_size))
-        entries.sort()
-        count = len(entries)
-        total = sum(size for _, _, size in entries)
-        for _, name, size in entries:
-            over_items = self.max_items is not None and count > self.max_items
-            over_bytes = self.max_bytes is not None and total > self.max_bytes
-            if not (over_items or over_bytes):
-                break
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.root, name))
-            count -= 1
-            total -= size
+                if stat.S_ISREG(st.st_mode):
+                    yield st.st_mtime_ns, name[: -len(SUFFIX)], st.st_size
+
+    def _remove(self, mm_hash: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_for(mm_hash))
