@@ -117,3 +117,19 @@ def test_capacity_evicts_oldest_items_and_their_directories(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(hashes[-2:])
     consumer = connector(tmp_path, "ec_consumer")
     assert set(load(consumer, [(x, 8) for x in hashes])) == set(hashes[-2:])
+
+
+def test_request_finished_reports_vllm_item_fields(tmp_path: Path, h_engine: Any) -> None:
+    request = h_engine.fake_request("r", 30, images=[("a", 0, 4), ("b", 10, 6), ("a", 20, 4)])
+    a, b, _ = (f.mm_hash for f in request.mm_features)
+    producer = connector(tmp_path, "ec_producer")
+    producer.save_caches({a: torch.randn(4, 8)}, a)
+    producer.save_caches({b: torch.randn(6, 8)}, b)
+    done, params = connector(tmp_path, "ec_producer", worker=False).request_finished(request)
+    assert not done
+    assert params == {
+        a: {"modality": "image", "item_indices": [0, 2], "num_tokens": 4,
+            "metadata": {"image_grid_thw": [1, 2, 8]}},
+        b: {"modality": "image", "item_indices": [1], "num_tokens": 6,
+            "metadata": {"image_grid_thw": [1, 2, 12]}},
+    }  # fmt: skip

@@ -227,7 +227,17 @@ def test_request_finished_names_stored_items(tmp_path: Path, h_engine: Any) -> N
     request = h_engine.fake_request("r", 20, images=[("a", 0, 4), ("b", 10, 4)])
     a, b = (f.mm_hash for f in request.mm_features)
     producer.save_caches({a: torch.randn(4, 8)}, a)
-    assert sched_side.request_finished(request) == (False, {a: {"num_tokens": 4}})
+    assert sched_side.request_finished(request) == (
+        False,
+        {
+            a: {
+                "num_tokens": 4,
+                "modality": "image",
+                "item_indices": [0],
+                "metadata": {"image_grid_thw": [1, 2, 8]},
+            }
+        },
+    )
     consumer = connector(tmp_path, "ec_consumer", worker=False)
     assert consumer.request_finished(request) == (False, None)
     assert b not in os.listdir(tmp_path)

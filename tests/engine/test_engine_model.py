@@ -91,7 +91,13 @@ def test_encoder_only_allocates_no_kv_and_never_calls_the_lm(
     assert model.calls == {"encode": 1, "embed": 0, "forward": 0, "logits": 0}
     two = results["two"]
     assert two.finished and two.token_ids == [] and two.text == ""
-    assert two.ec_transfer_params == {m.mm_hash: {"num_tokens": 16} for m in imgs}
+    params = two.ec_transfer_params
+    assert {k: (v["num_tokens"], v["modality"], v["item_indices"]) for k, v in params.items()} == {
+        m.mm_hash: (16, "image", [i]) for i, m in enumerate(imgs)
+    }
+    for entry in params.values():
+        t, gh, gw = entry["metadata"]["image_grid_thw"]
+        assert t * gh * gw == 16 * 4
     assert results["text"].ec_transfer_params is None
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{m.mm_hash}.safetensors" for m in imgs

@@ -68,6 +68,7 @@ from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECLoadSpec,
 )
+from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.ec_side_channel_store import staging_for, store_for
 from ec_frontend.connectors.side_channel_wire import (
     WireError,
@@ -263,6 +264,7 @@ class ECSideChannelConnector(ECConnectorBase):
         if store is None or request.status.finish_reason in ("error", "abort"):
             return False, None
         params: dict[str, Any] = {}
+        fields = item_fields(request.mm_features)
         for feature in request.mm_features:
             mm_hash = feature.mm_hash
             if mm_hash in params or not is_valid_mm_hash(mm_hash):
@@ -276,6 +278,7 @@ class ECSideChannelConnector(ECConnectorBase):
             if item is None or item.tensor.shape[0] != feature.length:
                 continue
             entry = {
+                **fields[mm_hash],
                 "peer_host": store.peer_host,
                 "peer_port": store.server.port,
                 "num_tokens": feature.length,

@@ -40,6 +40,7 @@ from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECLoadSpec,
 )
+from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.tensor_checks import tensor_problem
 from ec_frontend.engine.config import ConfigError
 
@@ -120,8 +121,9 @@ class ECSharedStorageConnector(ECConnectorBase):
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if not self.is_producer:
             return False, None
+        fields = item_fields(request.mm_features)
         params = {
-            f.mm_hash: {"num_tokens": f.length}
+            f.mm_hash: {**fields[f.mm_hash], "num_tokens": f.length}
             for f in request.mm_features
             if self.has_cache_item(f.mm_hash)
         }

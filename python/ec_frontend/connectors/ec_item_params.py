@@ -1,0 +1,41 @@
+"""The per-item fields vLLM's EPD protocol puts in every ``ec_transfer_params`` entry.
+
+vLLM's EC producers report, for each ``mm_hash`` of a finished request::
+
+    {"modality": "image", "item_indices": [0, 2],
+     "metadata": {"image_grid_thw": [t, h, w]}}
+
+``item_indices`` are the positions of the item in the request's multimodal
+features (in prompt order; a repeated image lists each position) and
+``metadata`` what the consumer needs to size the item's placeholder without
+the media: for Qwen2-VL images, the ``image_grid_thw`` the processor produced.
+vLLM's EPD proxy turns them into metadata-only ``image_embeds`` references for
+the prefill/decode instance. ec-frontend's producers add these fields next to
+their own transfer fields (before signing, so a signature covers them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ec_frontend.model.processor import MultiModalFeature
+
+IMAGE = "image"
+
+
+def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, dict[str, Any]]:
+    """``{mm_hash: {"modality", "item_indices", "metadata"}}`` for ``features``."""
+    items: dict[str, dict[str, Any]] = {}
+    for index, feature in enumerate(features):
+        entry = items.get(feature.mm_hash)
+        if entry is None:
+            items[feature.mm_hash] = {
+                "modality": IMAGE,
+                "item_indices": [index],
+                "metadata": {"image_grid_thw": list(feature.image_grid_thw)},
+            }
+        else:
+            entry["item_indices"].append(index)
+    return items
