@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv-vllm, a separate virtual environment holding vLLM (pinned) and its own
 # dependencies, for the interop tests (tests/interop/) that drive ec-frontend with vLLM's
-# own code. The project's .venv is never touched.
+# own code. The project's .venv is never touched. vLLM's source distribution, for its
+# examples (the EPD proxy) and tests, is unpacked under .venv-vllm/sdist/vllm-VERSION.
 #
 # A full install from PyPI (vLLM, its torch and CUDA wheels: about 9.5 GB on disk) took
 # 4.5 minutes on the 2-core development host; nothing of it is compiled. Installing vLLM
@@ -16,7 +17,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${EC_FRONTEND_VLLM_VENV:-.venv-vllm}
-REQUIREMENT="vllm==0.33.0"
+VERSION=0.33.0
+REQUIREMENT="vllm==$VERSION"
+SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
 PY=${PYTHON:-python3}
 
 mkdir -p "$(dirname "$VENV")"
@@ -24,7 +27,42 @@ exec 9>"$VENV.lock"
 flock 9
 
 stamp="$VENV/.ec-frontend-requirement"
+sdist_dir="$VENV/sdist/vllm-$VERSION"
+
+# vLLM's examples (its EPD proxy) and tests ship only in its source distribution. `pip
+# download` cannot fetch it (it insists on building the metadata, which needs CUDA), so it
+# is taken from PyPI's simple index (JSON form, PEP 691) and checked against its pinned sha256.
+fetch_sdist() {
+    [ -f "$sdist_dir/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py" ] && return 0
+    local tmp url
+    tmp=$(mktemp -d)
+    url=$("$PY" - "$VERSION" <<'PYEOF'
+import json
+import sys
+import urllib.request
+
+req = urllib.request.Request(
+    "https://pypi.org/simple/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+)
+name = f"vllm-{sys.argv[1]}.tar.gz"
+for f in json.load(urllib.request.urlopen(req, timeout=120))["files"]:
+    if f["filename"] == name:
+        print(f["url"])
+        break
+else:
+    sys.exit(f"{name} is not on the index")
+PYEOF
+)
+    "$PY" -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" \
+        "$url" "$tmp/vllm.tar.gz"
+    echo "$SDIST_SHA256  $tmp/vllm.tar.gz" | sha256sum -c --quiet -
+    mkdir -p "$VENV/sdist"
+    tar xzf "$tmp/vllm.tar.gz" -C "$VENV/sdist"
+    rm -rf "$tmp"
+}
+
 if [ "$(cat "$stamp" 2>/dev/null || true)" = "$REQUIREMENT" ] && [ -x "$VENV/bin/vllm" ]; then
+    fetch_sdist
     exit 0
 fi
 
@@ -35,5 +73,6 @@ rm -rf "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$REQUIREMENT"
 "$VENV/bin/vllm" bench serve --help >/dev/null 2>&1 \
     || { echo "setup_vllm: 'vllm bench serve' does not start in $VENV" >&2; exit 1; }
+fetch_sdist
 echo "$REQUIREMENT" >"$stamp"
 echo "setup_vllm: done in $(($(date +%s) - start)) s" >&2
