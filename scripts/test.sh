@@ -13,6 +13,7 @@ ruff format --check .
 
 echo "== cargo test"
 cargo test --workspace --quiet
+bash scripts/fuzz.sh 20
 
 echo "== pytest"
 # tests/interop drive the server with vLLM's own code from a separate venv (first run: 5-10 min).
