@@ -92,6 +92,11 @@ class MediaItem:
     @property
     def param(self) -> str:
         """Where the item sits in the body, e.g. ``messages[0].content[1].image_url``."""
+    @property
+    def image_grid_thw(self) -> tuple[int, int, int] | None:
+        """``(t, h, w)`` of a metadata-only ``image_embeds`` reference (vLLM's EPD
+        protocol: no bytes, no URL; its encoder output comes through the EC connector,
+        keyed by the hash of its ``uuid``); ``None`` for an image with bytes or a URL."""
     def __len__(self) -> int: ...
 
 class ParsedRequest:

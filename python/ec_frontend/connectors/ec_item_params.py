@@ -39,3 +39,33 @@ def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, dict[str, An
         else:
             entry["item_indices"].append(index)
     return items
+
+
+def ec_items_problem(params: Any, max_items: int) -> str | None:
+    """Why a request's ``ec_transfer_params.ec_items`` cannot be accepted (``None``: it
+    is absent or well formed).
+
+    vLLM's EPD proxy lists there, per item, ``{"mm_hash": ..., "transfer_id": ...}``
+    (push-style connectors key their transfers by ``transfer_id``); ec-frontend's
+    connectors find items by ``mm_hash`` and need nothing from it, but a malformed list
+    is refused rather than ignored.
+    """
+    if not isinstance(params, dict):
+        return None
+    items = params.get("ec_items")
+    if items is None:
+        return None
+    if not isinstance(items, list):
+        return "ec_transfer_params.ec_items must be a list of objects"
+    if len(items) > max_items:
+        return (
+            f"ec_transfer_params.ec_items has {len(items)} entries, over the limit of {max_items}"
+        )
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            return f"ec_transfer_params.ec_items[{i}] must be an object"
+        for key in ("mm_hash", "transfer_id"):
+            value = item.get(key)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= 512):
+                return f"ec_transfer_params.ec_items[{i}].{key} must be a non-empty string"
+    return None

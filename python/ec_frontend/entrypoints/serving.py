@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ec_frontend._core import ParsedRequest
+from ec_frontend.connectors.ec_item_params import ec_items_problem
 from ec_frontend.entrypoints.errors import APIError
 from ec_frontend.entrypoints.jobs import Choice, Job, Timing, new_id
 from ec_frontend.entrypoints.limits import (
@@ -101,8 +102,13 @@ class Serving:
         return model
 
     def _check_media(self, parsed: ParsedRequest) -> None:
+        problem = ec_items_problem(parsed.ec_transfer_params, self.config.limits.max_media_items)
+        if problem is not None:
+            raise APIError(400, problem, param="ec_transfer_params", code="invalid_value")
         for item in parsed.media:
-            if item.data is None:
+            if item.image_grid_thw is not None:
+                self._check_reference(item)
+            elif item.data is None:
                 raise APIError(
                     400,
                     "image URLs cannot be fetched by this server; send the image inline "
@@ -110,6 +116,19 @@ class Serving:
                     param=item.param,
                     code="unsupported_media_url",
                 )
+
+    def _check_reference(self, item: Any) -> None:
+        """An ``image_embeds`` reference needs an EC connector that can load its output."""
+        ec = getattr(getattr(self.engine, "config", None), "ec_transfer", None)
+        if ec is None or not ec.is_consumer:
+            raise APIError(
+                400,
+                "an image_embeds reference needs its encoder output from an EC connector, "
+                "and this server has none that loads (--ec-transfer-config with ec_consumer "
+                "or ec_both)",
+                param=item.param,
+                code="unsupported_media_reference",
+            )
 
     # ------------------------------------------------------------ processing
 

@@ -318,7 +318,10 @@ class InputProcessor:
 
     def _image(
         self, item: MediaLike, index: int, size: dict[str, int] | None
-    ) -> tuple[str, tuple[int, int, int], torch.Tensor]:
+    ) -> tuple[str, tuple[int, int, int], torch.Tensor | None]:
+        reference = getattr(item, "image_grid_thw", None)
+        if reference is not None:
+            return item.mm_hash, self._reference_grid(reference, index, size), None
         image = decode_image(
             item.data, index=index, max_pixels=self.max_image_pixels, formats=self.image_formats
         )
@@ -333,6 +336,33 @@ class InputProcessor:
             image.close()
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return item.mm_hash, (t, h, w), out["pixel_values"].to(torch.float32)
+
+    def _reference_grid(
+        self, grid: Sequence[int], index: int, size: dict[str, int] | None
+    ) -> tuple[int, int, int]:
+        """The grid of a metadata-only image reference (``image_embeds``), checked against
+        what this model's processor can produce: one frame, sides that are multiples of
+        the merge size, at most the processor's ``max_pixels`` (with the request's
+        ``mm_processor_kwargs``). Its placeholder is sized from it; nothing is decoded."""
+        t, h, w = (int(v) for v in grid)
+        merge = self.spatial_merge_size
+        patch = getattr(self.image_processor, "patch_size", None)
+        limits = size or self.image_processor.size
+        high = limits.get("longest_edge") or self.processor_pixel_range[1]
+        problem = None
+        if t != 1:
+            problem = f"t is {t}; an image has one frame (t = 1)"
+        elif h % merge or w % merge:
+            problem = f"h and w must be multiples of the merge size {merge}"
+        elif isinstance(patch, int) and h * w * patch * patch > high:
+            problem = f"{h * patch}x{w * patch} pixels is over this model's max_pixels {high}"
+        if problem is not None:
+            raise InputError(
+                f"image {index}: image_embeds.image_grid_thw {[t, h, w]} does not fit this "
+                f"model: {problem}",
+                code="invalid_image_embeds",
+            )
+        return t, h, w
 
 
 def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 //! Chat `messages` and responses `input` -> [`Message`]s with media collected.
 
 use crate::error::{RequestError, Result};
-use crate::fields::{array, missing, object, present, string, type_error, value_error};
+use crate::fields::{array, integer_in, missing, object, present, string, type_error, value_error};
 use crate::limits::Limits;
 use crate::media_items::MediaCollector;
 use crate::path::Path;
@@ -135,14 +135,76 @@ fn chat_part(part: &Value<'_>, path: &Path<'_>, media: &mut MediaCollector<'_>) 
             let index = media.add_image(url, uuid, &ip, &url_path, &path.key("uuid"))?;
             Ok(Part::Image { media_index: index })
         }
+        "image_embeds" => {
+            let ep = path.key("image_embeds");
+            let up = path.key("uuid");
+            let grid = embeds_grid(part.get("image_embeds"), &ep)?;
+            let uuid = opt_uuid(part, path)?.ok_or_else(|| {
+                value_error(
+                    &up,
+                    "an 'image_embeds' part needs the 'uuid' its encoder was given",
+                )
+            })?;
+            let index = media.add_image_embeds(uuid, grid, &ep, &up)?;
+            Ok(Part::Image { media_index: index })
+        }
         other => Err(value_error(
             &tp,
             format!(
-                "unsupported content part type '{}': expected text or image_url",
+                "unsupported content part type '{}': expected text, image_url or image_embeds",
                 clip(other)
             ),
         )),
     }
+}
+
+/// The largest grid side accepted in an `image_embeds` reference (in patches); the
+/// model checks the grid against its own pixel range.
+pub const MAX_GRID_SIDE: i64 = 1 << 16;
+
+/// The `[t, h, w]` grid of an `image_embeds` part: an object holding exactly
+/// `image_grid_thw` (three positive integers, or one such triple in a list). Embedding
+/// tensors (a base64 string) are refused: the output must come through the connector.
+fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<[u32; 3]> {
+    let v = present(v).ok_or_else(|| missing(path))?;
+    let members = match v {
+        Value::Object(members) => members,
+        Value::String(_) => {
+            return Err(value_error(
+                path,
+                "embedding tensors are not accepted: 'image_embeds' must be placeholder \
+                 metadata ({\"image_grid_thw\": [t, h, w]}) for an encoder output that \
+                 arrives through the EC connector",
+            ))
+        }
+        other => return Err(type_error(path, "an object", other)),
+    };
+    if let Some((key, _)) = members.iter().find(|(k, _)| k != "image_grid_thw") {
+        return Err(value_error(
+            path,
+            format!(
+                "unsupported image_embeds field '{}': expected only image_grid_thw",
+                clip(key)
+            ),
+        ));
+    }
+    let gp = path.key("image_grid_thw");
+    let grid = present(v.get("image_grid_thw")).ok_or_else(|| missing(&gp))?;
+    let mut values = array(grid, &gp)?;
+    if let [inner @ Value::Array(_)] = values {
+        values = array(inner, &gp)?;
+    }
+    if values.len() != 3 {
+        return Err(value_error(
+            &gp,
+            "'image_grid_thw' must be three positive integers [t, h, w]",
+        ));
+    }
+    let mut out = [0u32; 3];
+    for (i, value) in values.iter().enumerate() {
+        out[i] = integer_in(value, &gp.index(i), 1, MAX_GRID_SIDE)? as u32;
+    }
+    Ok(out)
 }
 
 /// Responses `input` (a string, or a list of message items) with `instructions`

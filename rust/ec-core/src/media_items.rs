@@ -43,22 +43,9 @@ impl<'l> MediaCollector<'l> {
         url_path: &Path<'_>,
         uuid_path: &Path<'_>,
     ) -> Result<usize> {
-        if self.items.len() >= self.limits.max_media_items {
-            return Err(RequestError::LimitExceeded {
-                param: Some(item_path.render()),
-                message: format!(
-                    "request has more than {} media items",
-                    self.limits.max_media_items
-                ),
-            });
-        }
+        self.check_room(item_path)?;
         if let Some(uuid) = uuid {
-            if uuid.is_empty() || uuid.len() > MAX_UUID_LEN {
-                return Err(value_error(
-                    uuid_path,
-                    format!("'uuid' must be 1 to {MAX_UUID_LEN} bytes long"),
-                ));
-            }
+            check_uuid(uuid, uuid_path)?;
         }
         let is_data = url
             .get(..5)
@@ -106,6 +93,7 @@ impl<'l> MediaCollector<'l> {
                 uuid: uuid.map(str::to_owned),
                 mm_hash,
                 param: item_path.render(),
+                grid_thw: None,
             }
         } else {
             let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
@@ -127,9 +115,58 @@ impl<'l> MediaCollector<'l> {
                 uuid: uuid.map(str::to_owned),
                 mm_hash,
                 param: item_path.render(),
+                grid_thw: None,
             }
         };
         self.items.push(item);
         Ok(self.items.len() - 1)
     }
+
+    /// Adds a metadata-only reference (vLLM's `image_embeds` part): no bytes, only the
+    /// `uuid` the encoder was given and the grid it reported. The key is the encoder's
+    /// key for that uuid (same scope), so both instances name the output alike.
+    pub fn add_image_embeds(
+        &mut self,
+        uuid: &str,
+        grid_thw: [u32; 3],
+        item_path: &Path<'_>,
+        uuid_path: &Path<'_>,
+    ) -> Result<usize> {
+        self.check_room(item_path)?;
+        check_uuid(uuid, uuid_path)?;
+        self.items.push(MediaItem {
+            kind: "image",
+            mime_type: None,
+            data: None,
+            url: None,
+            uuid: Some(uuid.to_owned()),
+            mm_hash: self.scope.uuid_hash(uuid),
+            param: item_path.render(),
+            grid_thw: Some(grid_thw),
+        });
+        Ok(self.items.len() - 1)
+    }
+
+    fn check_room(&self, item_path: &Path<'_>) -> Result<()> {
+        if self.items.len() >= self.limits.max_media_items {
+            return Err(RequestError::LimitExceeded {
+                param: Some(item_path.render()),
+                message: format!(
+                    "request has more than {} media items",
+                    self.limits.max_media_items
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_uuid(uuid: &str, uuid_path: &Path<'_>) -> Result<()> {
+    if uuid.is_empty() || uuid.len() > MAX_UUID_LEN {
+        return Err(value_error(
+            uuid_path,
+            format!("'uuid' must be 1 to {MAX_UUID_LEN} bytes long"),
+        ));
+    }
+    Ok(())
 }

@@ -157,6 +157,10 @@ pub struct MediaItem {
     pub mm_hash: String,
     /// Where the item sits in the body (`messages[0].content[1].image_url`).
     pub param: String,
+    /// For an `image_embeds` reference (no bytes, no URL): the `[t, h, w]` patch grid
+    /// its encoder reported, which sizes its placeholder; its encoder output must come
+    /// through the EC connector.
+    pub grid_thw: Option<[u32; 3]>,
 }
 
 impl MediaItem {

@@ -138,6 +138,7 @@ pub struct PyMediaItem {
     uuid: Option<String>,
     mm_hash: String,
     param: String,
+    grid_thw: Option<[u32; 3]>,
 }
 
 impl PyMediaItem {
@@ -153,6 +154,7 @@ impl PyMediaItem {
             uuid: item.uuid,
             mm_hash: item.mm_hash,
             param: item.param,
+            grid_thw: item.grid_thw,
         }
     }
 }
@@ -203,10 +205,21 @@ impl PyMediaItem {
     fn param(&self) -> &str {
         &self.param
     }
+    /// `(t, h, w)` of an `image_embeds` reference; `None` for an image with bytes or a URL.
+    #[getter]
+    fn image_grid_thw(&self) -> Option<(u32, u32, u32)> {
+        self.grid_thw.map(|[t, h, w]| (t, h, w))
+    }
     fn __len__(&self) -> usize {
         self.len
     }
     fn __repr__(&self) -> String {
+        if let Some([t, h, w]) = self.grid_thw {
+            return format!(
+                "MediaItem(kind='image', image_grid_thw=({t}, {h}, {w}), mm_hash='{}')",
+                self.mm_hash
+            );
+        }
         match &self.url {
             Some(url) => format!(
                 "MediaItem(kind='image', url={url:?}, mm_hash='{}')",

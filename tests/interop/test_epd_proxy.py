@@ -1,0 +1,209 @@
+"""vLLM 0.33.0's ``disagg_epd_proxy.py``, unmodified, in front of ec-frontend E+PD.
+
+The proxy (started from vLLM's source distribution in the vLLM environment)
+sends each image with a ``uuid`` to the encoder, reads the ``modality``,
+``item_indices`` and ``metadata`` of its ``ec_transfer_params`` entries, and
+rewrites the image for the prefill/decode instance into a metadata-only
+``{"type": "image_embeds", "image_embeds": {"image_grid_thw": ...}, "uuid": ...}``
+reference (plus the encoder's entries and ``ec_items`` in
+``ec_transfer_params``). Behind it, ec-frontend must answer token for token
+what one aggregated instance answers, with the PD instance computing no
+encoder item (it loads them all through the EC connector: vLLM's file layout
+on a shared directory, or the side channel with signed params). The bad-input
+cases go straight to the PD instance: each is a 400 or a per-request error,
+and the instance stays healthy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ..disagg.conftest import png_data_url, serve, side_channel_ec
+from ..helpers.processes import free_port, start_all
+from .conftest import MODEL_NAME, vllm_venv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROXY = Path("sdist/vllm-0.33.0/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py")
+IMAGES = [png_data_url(56, (200, 30, 30)), png_data_url(84, (20, 160, 90))]
+
+
+def example_ec(role: str, path: Path) -> dict[str, Any]:
+    return {"ec_connector": "ECExampleConnector", "ec_role": role,
+            "ec_connector_extra_config": {"shared_storage_path": str(path)}}  # fmt: skip
+
+
+class VllmProxy:
+    """vLLM's EPD proxy script, run as is by the vLLM environment's Python."""
+
+    def __init__(self, python: Path, encode: str, decode: str) -> None:
+        script = vllm_venv() / PROXY
+        assert script.is_file(), f"{script} is missing: run `bash scripts/setup_vllm.sh`"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("VIRTUAL_ENV", None)
+        env.pop("PYTHONPATH", None)
+        self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        self.proc = subprocess.Popen(
+            [str(python), str(script), "--host", "127.0.0.1", "--port", str(self.port),
+             "--encode-servers-urls", encode, "--decode-servers-urls", decode],
+            stdout=self.logfile, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+
+    def log(self) -> str:
+        self.logfile.seek(0)
+        return self.logfile.read().decode(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"proxy exited:\n{self.log()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"proxy not healthy in {timeout_s} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.logfile.close()
+
+
+@pytest.fixture(scope="module")
+def dep(
+    vllm_python: Path, builtin_model_dir: Path, tmp_path_factory: Any
+) -> Iterator[dict[str, Any]]:
+    shared = tmp_path_factory.mktemp("ec-example")
+    m = builtin_model_dir
+    procs = {
+        "agg": serve(m, "agg"),
+        "e_ex": serve(m, "e_ex", ec=example_ec("ec_producer", shared)),
+        "pd_ex": serve(m, "pd_ex", ec=example_ec("ec_consumer", shared)),
+        "e_sc": serve(m, "e_sc", ec=side_channel_ec("ec_producer")),
+        "pd_sc": serve(m, "pd_sc", ec=side_channel_ec("ec_consumer")),
+    }
+    start_all(list(procs.values()))
+    proxies = {
+        "example": VllmProxy(vllm_python, procs["e_ex"].url, procs["pd_ex"].url),
+        "side_channel": VllmProxy(vllm_python, procs["e_sc"].url, procs["pd_sc"].url),
+    }
+    try:
+        for p in proxies.values():
+            p.wait_ready()
+        yield {**procs, "proxies": proxies, "shared": shared}
+    finally:
+        for p in proxies.values():
+            p.stop()
+        for proc in procs.values():
+            proc.stop()
+
+
+def ask(url: str, image: str, *, stream: bool) -> tuple[str, int | None]:
+    """Greedy answer text (and prompt tokens, when not streamed) for one image."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}},
+        {"type": "text", "text": "describe it"}]}]  # fmt: skip
+    common: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8,
+                              "temperature": 0.0}  # fmt: skip
+    if not stream:
+        r = client.chat.completions.create(**common)
+        assert r.usage is not None
+        return r.choices[0].message.content or "", r.usage.prompt_tokens
+    text = ""
+    for chunk in client.chat.completions.create(**common, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+    return text, None
+
+
+@pytest.mark.parametrize(
+    ("proxy", "encoder", "pd"), [("example", "e_ex", "pd_ex"), ("side_channel", "e_sc", "pd_sc")]
+)
+def test_vllm_proxy_token_identical_and_pd_encodes_nothing(
+    dep: dict[str, Any], proxy: str, encoder: str, pd: str
+) -> None:
+    front = dep["proxies"][proxy]
+    agg, e, d = dep["agg"], dep[encoder], dep[pd]
+    for image in IMAGES:
+        for stream in (False, True):
+            want = ask(agg.url, image, stream=stream)
+            got = ask(front.url, image, stream=stream)
+            assert got == want, (proxy, stream, front.log()[-2000:])
+    assert d.metric("encoder_items_computed_total") == 0, d.log()
+    assert d.metric("ec_items_loaded_total") >= len(IMAGES)
+    assert d.metric("ec_load_fallbacks_total") == 0
+    assert e.metric("encoder_items_computed_total") >= len(IMAGES)
+    assert "Rewrote 1 media item(s) as metadata references" in front.log()
+    if proxy == "example":
+        # One item directory per image in vLLM's layout, named by the key both sides
+        # derive from the proxy's uuid (sha256 of the URL), never by the uuid itself.
+        names = {f.parent.name for f in dep["shared"].glob("*/encoder_cache.safetensors")}
+        assert len(names) == len(IMAGES), names
+        assert not names & {hashlib.sha256(image.encode()).hexdigest() for image in IMAGES}
+
+
+def embeds_body(part: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        part, {"type": "text", "text": "describe it"}]}], **extra}  # fmt: skip
+
+
+def reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
+    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid}, "uuid": uuid}
+
+
+@pytest.mark.parametrize(
+    ("target", "body", "want"),
+    [
+        ("pd_ex", embeds_body({"type": "image_embeds", "image_embeds": "AAAA", "uuid": "u"}),
+         "messages[0].content[0].image_embeds"),
+        ("pd_ex", embeds_body({**reference([1, 4, 4]), "uuid": None}),
+         "messages[0].content[0].uuid"),
+        ("pd_ex", embeds_body(reference([1, 4, 4, 4])),
+         "messages[0].content[0].image_embeds.image_grid_thw"),
+        ("pd_ex", embeds_body(reference([2, 4, 4])), "invalid_image_embeds"),
+        ("pd_ex", embeds_body(reference([1, 3, 4])), "invalid_image_embeds"),
+        ("pd_ex", embeds_body(reference([1, 4000, 4000])), "invalid_image_embeds"),
+        ("pd_sc", embeds_body(reference([1, 4, 4]), ec_transfer_params={"ec_items": "x"}),
+         "ec_transfer_params"),
+        ("pd_sc", embeds_body(reference([1, 4, 4]), ec_transfer_params={"ec_items": [3]}),
+         "ec_transfer_params"),
+        ("agg", embeds_body(reference([1, 4, 4])), "messages[0].content[0].image_embeds"),
+        # A well-formed reference whose output no connector can load: that request fails.
+        ("pd_ex", embeds_body(reference([1, 4, 4])), "invalid_input"),
+        ("pd_sc", embeds_body(reference([1, 4, 4])), "invalid_input"),
+    ],
+)  # fmt: skip
+def test_bad_references_are_400_and_the_instance_stays_healthy(
+    dep: dict[str, Any], target: str, body: dict[str, Any], want: str
+) -> None:
+    """``want``: the error's ``param``, or its ``code`` where no field is to blame."""
+    server = dep[target]
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert want in (error["param"], error["code"]), error
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL_NAME, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert ok.status_code == 200, ok.text
