@@ -330,26 +330,45 @@ class SchedulerConfig:
         return self.encoder_compute_budget or self.max_num_batched_tokens
 
 
+#: KV cache bytes on the CPU when ``--kv-cache-memory`` is not given (raised to
+#: one ``max_model_len`` sequence when that needs more).
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+#: Block sizes the paged attention accepts (``--block-size``).
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV and encoder cache sizes.
 
-    The KV block count is ``num_kv_blocks`` when given, else the memory budget
-    ``kv_cache_memory_bytes`` divided by the model's bytes per block.
+    The KV block count is ``num_kv_blocks`` when given; else, when
+    ``kv_cache_memory_bytes`` is given, that budget divided by the model's bytes
+    per block; else, on CUDA, ``gpu_memory_utilization`` of the device's memory
+    minus what the model and a profile run hold, and on the CPU
+    :data:`DEFAULT_CPU_KV_CACHE_BYTES` (at least one ``max_model_len`` sequence).
     ``encoder_cache_size`` counts encoder output rows (placeholder tokens).
+    ``enforce_eager`` is recorded; no CUDA graphs are captured either way yet.
     """
 
     block_size: int = 16
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     encoder_cache_size: int = 16384
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _positive(self.block_size, "block_size")
-        _positive(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        if self.kv_cache_memory_bytes is not None:
+            _positive(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
         if self.num_kv_blocks is not None:
             _positive(self.num_kv_blocks, "num_kv_blocks")
         _positive(self.encoder_cache_size, "encoder_cache_size")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {util!r}", "gpu_memory_utilization"
+            )
 
 
 @dataclass(frozen=True)

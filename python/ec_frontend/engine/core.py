@@ -19,10 +19,10 @@ from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
 from ec_frontend.connectors.factory import create_ec_connector, create_kv_connector
 from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
 from ec_frontend.connectors.noop import NoOpECConnector
-from ec_frontend.engine.config import ConfigError, EngineConfig
+from ec_frontend.engine.config import EngineConfig
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
-from ec_frontend.engine.kv_cache import KVCacheManager, cdiv, num_blocks_for_budget
+from ec_frontend.engine.kv_cache import KVCacheManager, plan_kv_cache
 from ec_frontend.engine.model_runner import ModelRunner
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput, RequestOutput
 from ec_frontend.engine.request import Request, RequestStatus
@@ -84,16 +84,7 @@ class EngineCore:
         kv_cache: KVCacheManager | None = None
         num_blocks: int | None = None
         if not self.encoder_only:
-            num_blocks = config.cache.num_kv_blocks or num_blocks_for_budget(
-                model.kv_cache_spec(), block_size, config.cache.kv_cache_memory_bytes
-            )
-            needed = cdiv(self.max_model_len, block_size) + 1
-            if num_blocks < needed:
-                raise ConfigError(
-                    f"the KV cache holds {num_blocks} blocks of {block_size} tokens; "
-                    f"max_model_len {self.max_model_len} needs at least {needed}",
-                    "kv_cache_memory_bytes",
-                )
+            num_blocks = plan_kv_cache(model, config).num_blocks
             kv_cache = KVCacheManager(num_blocks, block_size)
         self.kv_cache = kv_cache
         self.encoder_cache = EncoderCacheManager(config.cache.encoder_cache_size)

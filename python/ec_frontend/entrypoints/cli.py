@@ -47,6 +47,42 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests batched per step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens computed per step; a longer prompt is prefilled in chunks (default 2048)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory this instance may use; the KV cache gets what "
+        "the weights and a profile run at --max-num-batched-tokens leave (default 0.9)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes, in place of --gpu-memory-utilization (default on the CPU: "
+        "256 MiB, or one --max-model-len sequence when that needs more)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (default 16)"
+    )
+    p.add_argument(
+        "--encoder-cache-size",
+        type=int,
+        default=None,
+        help="encoder output rows (image placeholder tokens) kept for running requests "
+        "(default 16384, at least --max-num-batched-tokens)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="accepted for vLLM compatibility and recorded; no CUDA graphs are captured yet, "
+        "so every step runs eagerly either way",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)")
     p.add_argument(
         "--dtype",
@@ -208,6 +244,12 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        encoder_cache_size=args.encoder_cache_size,
+        enforce_eager=args.enforce_eager,
         device=args.device,
         dtype=args.dtype,
         cpu_threads=args.cpu_threads,

@@ -40,6 +40,13 @@ class ServeOptions:
     served_model_names: tuple[str, ...] = ()
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    #: KV cache sizing (see ``engine.config.CacheConfig``).
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    block_size: int = 16
+    encoder_cache_size: int | None = None
+    enforce_eager: bool = False
     device: str | None = None
     dtype: str = "auto"
     cpu_threads: int | None = None

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ec_frontend.engine.config import (
+    BLOCK_SIZES,
+    CacheConfig,
     ConfigError,
     ECTransferConfig,
     EngineConfig,
@@ -69,6 +71,47 @@ def cpu_threads(opts: ServeOptions, builtin: bool) -> int | None:
     return n
 
 
+def _flag_error(flag: str, problem: str, value: object) -> ConfigError:
+    return ConfigError(f"--{flag} {problem}, got {value}", flag.replace("-", "_"))
+
+
+def cache_config(opts: ServeOptions, encoder_rows: int) -> CacheConfig:
+    """The KV and encoder cache settings of ``opts``; ``ConfigError`` naming the flag.
+    Without ``--encoder-cache-size`` the encoder cache holds at least ``encoder_rows``
+    (one step's encoder budget)."""
+    util = opts.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise _flag_error("gpu-memory-utilization", "must be in (0, 1]", util)
+    if opts.block_size not in BLOCK_SIZES:
+        sizes = ", ".join(map(str, BLOCK_SIZES))
+        raise _flag_error("block-size", f"must be one of {sizes}", opts.block_size)
+    for flag, value in (
+        ("kv-cache-memory", opts.kv_cache_memory),
+        ("encoder-cache-size", opts.encoder_cache_size),
+    ):
+        if value is not None and value <= 0:
+            raise _flag_error(flag, "must be > 0", value)
+    encoder = opts.encoder_cache_size or max(CacheConfig.encoder_cache_size, encoder_rows)
+    return CacheConfig(
+        block_size=opts.block_size,
+        kv_cache_memory_bytes=opts.kv_cache_memory,
+        gpu_memory_utilization=util,
+        encoder_cache_size=encoder,
+        enforce_eager=opts.enforce_eager,
+    )
+
+
+def _scheduler_args(opts: ServeOptions, max_len: int) -> dict[str, Any]:
+    sched: dict[str, Any] = {"max_model_len": max_len}
+    if opts.max_num_seqs is not None:
+        sched["max_num_seqs"] = opts.max_num_seqs
+    if opts.max_num_batched_tokens is not None:
+        if opts.max_num_batched_tokens <= 0:
+            raise _flag_error("max-num-batched-tokens", "must be > 0", opts.max_num_batched_tokens)
+        sched["max_num_batched_tokens"] = opts.max_num_batched_tokens
+    return sched
+
+
 def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
     """The engine config and the checkpoint directory for ``opts``."""
     trust = TransferTrust.from_options(
@@ -90,20 +133,19 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
         model_id = BUILTIN_MODEL_ID if name == BUILTIN_NAME else name
     hf = load_config(path)
     model_max = int(hf.text_config.max_position_embeddings)
-    max_len = opts.max_model_len or min(model_max, 4096)
+    max_len = opts.max_model_len or model_max
     if max_len > model_max:
         raise ConfigError(
             f"--max-model-len {max_len} exceeds the model's {model_max} positions", "max_model_len"
         )
-    sched: dict[str, Any] = {"max_model_len": max_len}
-    if opts.max_num_seqs is not None:
-        sched["max_num_seqs"] = opts.max_num_seqs
+    sched = SchedulerConfig(**_scheduler_args(opts, max_len))
     config = EngineConfig(
         model=str(path),
         model_id=model_id,
         device=opts.device,
         dtype=_dtype(opts),
-        scheduler=SchedulerConfig(**sched),
+        scheduler=sched,
+        cache=cache_config(opts, sched.encoder_budget),
         ec_transfer=ec,
         kv_transfer=kv,
     )
