@@ -9,7 +9,8 @@ reference (plus the encoder's entries and ``ec_items`` in
 ``ec_transfer_params``). Behind it, ec-frontend must answer token for token
 what one aggregated instance answers, with the PD instance computing no
 encoder item (it loads them all through the EC connector: vLLM's file layout
-on a shared directory, or the side channel with signed params). The bad-input
+on a shared directory, the side channel with signed params; and E+P+D with
+``ECSharedStorageConnector`` and the KV side channel). The bad-input
 cases go straight to the PD instance: each is a 400 or a per-request error,
 and the instance stays healthy.
 """
@@ -29,7 +30,13 @@ import httpx
 import openai
 import pytest
 
-from ..disagg.conftest import png_data_url, serve, side_channel_ec
+from ..disagg.conftest import (
+    png_data_url,
+    serve,
+    shared_storage_ec,
+    side_channel_ec,
+    side_channel_kv,
+)
 from ..helpers.processes import free_port, start_all
 from .conftest import MODEL_NAME, vllm_venv
 
@@ -47,7 +54,7 @@ def example_ec(role: str, path: Path) -> dict[str, Any]:
 class VllmProxy:
     """vLLM's EPD proxy script, run as is by the vLLM environment's Python."""
 
-    def __init__(self, python: Path, encode: str, decode: str) -> None:
+    def __init__(self, python: Path, encode: str, decode: str, prefill: str = "none") -> None:
         script = vllm_venv() / PROXY
         assert script.is_file(), f"{script} is missing: run `bash scripts/setup_vllm.sh`"
         self.port = free_port()
@@ -58,7 +65,8 @@ class VllmProxy:
         self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
             [str(python), str(script), "--host", "127.0.0.1", "--port", str(self.port),
-             "--encode-servers-urls", encode, "--decode-servers-urls", decode],
+             "--encode-servers-urls", encode, "--prefill-servers-urls", prefill,
+             "--decode-servers-urls", decode],
             stdout=self.logfile, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
 
@@ -93,6 +101,7 @@ def dep(
     vllm_python: Path, builtin_model_dir: Path, tmp_path_factory: Any
 ) -> Iterator[dict[str, Any]]:
     shared = tmp_path_factory.mktemp("ec-example")
+    flat = tmp_path_factory.mktemp("ec-shared-storage")
     m = builtin_model_dir
     procs = {
         "agg": serve(m, "agg"),
@@ -100,11 +109,16 @@ def dep(
         "pd_ex": serve(m, "pd_ex", ec=example_ec("ec_consumer", shared)),
         "e_sc": serve(m, "e_sc", ec=side_channel_ec("ec_producer")),
         "pd_sc": serve(m, "pd_sc", ec=side_channel_ec("ec_consumer")),
-    }
+        "e_ss": serve(m, "e_ss", ec=shared_storage_ec("ec_producer", flat)),
+        "p_ss": serve(m, "p_ss", ec=shared_storage_ec("ec_consumer", flat),
+                      kv=side_channel_kv("kv_producer")),
+        "d": serve(m, "d", kv=side_channel_kv("kv_consumer")),
+    }  # fmt: skip
     start_all(list(procs.values()))
     proxies = {
         "example": VllmProxy(vllm_python, procs["e_ex"].url, procs["pd_ex"].url),
         "side_channel": VllmProxy(vllm_python, procs["e_sc"].url, procs["pd_sc"].url),
+        "epd": VllmProxy(vllm_python, procs["e_ss"].url, procs["d"].url, prefill=procs["p_ss"].url),
     }
     try:
         for p in proxies.values():
@@ -137,11 +151,14 @@ def ask(url: str, image: str, *, stream: bool) -> tuple[str, int | None]:
 
 
 @pytest.mark.parametrize(
-    ("proxy", "encoder", "pd"), [("example", "e_ex", "pd_ex"), ("side_channel", "e_sc", "pd_sc")]
+    ("proxy", "encoder", "pd"),
+    [("example", "e_ex", "pd_ex"), ("side_channel", "e_sc", "pd_sc"), ("epd", "e_ss", "p_ss")],
 )
 def test_vllm_proxy_token_identical_and_pd_encodes_nothing(
     dep: dict[str, Any], proxy: str, encoder: str, pd: str
 ) -> None:
+    """E+PD (``pd`` prefills and decodes) and E+P+D (``pd`` prefills, ``d`` decodes
+    from its KV)."""
     front = dep["proxies"][proxy]
     agg, e, d = dep["agg"], dep[encoder], dep[pd]
     for image in IMAGES:
@@ -153,6 +170,11 @@ def test_vllm_proxy_token_identical_and_pd_encodes_nothing(
     assert d.metric("ec_items_loaded_total") >= len(IMAGES)
     assert d.metric("ec_load_fallbacks_total") == 0
     assert e.metric("encoder_items_computed_total") >= len(IMAGES)
+    if proxy == "epd":
+        decode = dep["d"]
+        assert decode.metric("encoder_items_computed_total") == 0
+        assert decode.metric("kv_tokens_received_total") > 0
+        assert decode.metric("kv_local_prefill_fallbacks_total") == 0
     assert "Rewrote 1 media item(s) as metadata references" in front.log()
     if proxy == "example":
         # One item directory per image in vLLM's layout, named by the key both sides

@@ -118,14 +118,16 @@ class Serving:
                 )
 
     def _check_reference(self, item: Any) -> None:
-        """An ``image_embeds`` reference needs an EC connector that can load its output."""
-        ec = getattr(getattr(self.engine, "config", None), "ec_transfer", None)
-        if ec is None or not ec.is_consumer:
+        """An ``image_embeds`` reference needs its encoder output from an EC connector,
+        or (a decode instance) the prompt's KV from a KV connector."""
+        config = getattr(self.engine, "config", None)
+        loaders = (getattr(config, "ec_transfer", None), getattr(config, "kv_transfer", None))
+        if not any(c is not None and c.is_consumer for c in loaders):
             raise APIError(
                 400,
-                "an image_embeds reference needs its encoder output from an EC connector, "
-                "and this server has none that loads (--ec-transfer-config with ec_consumer "
-                "or ec_both)",
+                "an image_embeds reference needs its encoder output from an EC connector "
+                "(or its prompt's KV from a KV connector), and this server has neither "
+                "(--ec-transfer-config / --kv-transfer-config with a consumer role)",
                 param=item.param,
                 code="unsupported_media_reference",
             )
