@@ -3,13 +3,19 @@
 The cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (K then V). A forward writes the step's new K and V at ``slot_mapping`` and
 then lets each request's new tokens attend causally over that request's whole
-context, gathered from its block table.
+context.
 
-Requests are grouped so that no request is padded to another's prompt
-length: all decodes (one new token each) share one ``scaled_dot_product_attention``
-call padded only to the longest decode context; every prefill chunk gets its
-own call (plain causal when it is the whole prompt, an offset causal mask when
-earlier tokens are already cached). Grouped KV heads are expanded by SDPA.
+Every call is a 4-D ``scaled_dot_product_attention`` (``[batch, heads, tokens,
+head_dim]``), the layout torch's fused kernels take. A prefill chunk with
+nothing cached attends over its own K and V (already at hand) with
+``is_causal``; a continuation chunk reads its context from its block table and
+uses a lower-right causal mask (``causal_lower_right``), so the new tokens line
+up with the last rows of the context. All decodes (one new token each) share
+one call padded only to the longest decode context. Grouped KV heads are
+expanded by SDPA (``enable_gqa``).
+
+The ``gather`` backend is the previous path (3-D calls with an explicit
+boolean mask for every prefill chunk); it stays as the portable reference.
 """
 
 from __future__ import annotations
@@ -18,8 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ec_frontend.model.interface import AttentionMetadata
+
+#: ``sdpa``: 4-D fused-kernel calls (the default); ``gather``: the previous path.
+BACKENDS = ("sdpa", "gather")
 
 
 @dataclass(slots=True)
@@ -40,7 +50,13 @@ class PrefillChunk:
     end: int
     blocks: torch.Tensor  # [blocks]
     seq_len: int
-    mask: torch.Tensor | None  # [new, seq_len] bool; None = plain causal (nothing cached)
+    #: ``[new, seq_len]`` bool for the ``gather`` backend when earlier tokens are cached.
+    mask: torch.Tensor | None
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing was cached before this chunk: it is the whole context."""
+        return self.end - self.start == self.seq_len
 
 
 @dataclass(slots=True)
@@ -49,9 +65,12 @@ class PagedLayout:
 
     decodes: DecodeGroup | None
     prefills: list[PrefillChunk]
+    backend: str = "sdpa"
 
 
-def build_layout(meta: AttentionMetadata, device: torch.device) -> PagedLayout:
+def build_layout(
+    meta: AttentionMetadata, device: torch.device, backend: str = "sdpa"
+) -> PagedLayout:
     """Group the step's requests and build their masks from ``meta`` (host lists
     only, so no device synchronisation).
 
@@ -70,7 +89,7 @@ def build_layout(meta: AttentionMetadata, device: torch.device) -> PagedLayout:
             decode_rows.append(start)
         elif q > 1:
             mask = None
-            if s != q:
+            if s != q and backend == "gather":
                 k_idx = torch.arange(s, device=device)
                 q_pos = torch.arange(s - q, s, device=device)
                 mask = k_idx[None, :] <= q_pos[:, None]
@@ -90,7 +109,9 @@ def build_layout(meta: AttentionMetadata, device: torch.device) -> PagedLayout:
             mask=mask[:, None, None, :],
             context=context,
         )
-    return PagedLayout(decodes, prefills)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
+    return PagedLayout(decodes, prefills, backend)
 
 
 def write_kv(
@@ -113,11 +134,17 @@ def _gather(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: PagedLayout,
+    scale: float,
 ) -> torch.Tensor:
     """``[T, num_heads, head_dim]`` queries -> ``[T, num_heads, head_dim]`` outputs.
 
-    ``kv_cache`` must already hold this step's K and V (see :func:`write_kv`).
+    ``key`` and ``value`` (``[T, num_kv_heads, head_dim]``) are this step's, and
+    ``kv_cache`` must already hold them (see :func:`write_kv`).
     """
     out = torch.empty_like(query)
     group = layout.decodes
@@ -128,7 +155,41 @@ def paged_attention(
             q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
         )
         out[group.rows] = o[:, :, 0, :]
+    if layout.backend == "gather":
+        _gather_prefills(query, kv_cache, layout.prefills, scale, out)
+        return out
     for chunk in layout.prefills:
+        new = chunk.end - chunk.start
+        q = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, new, head_dim]
+        if chunk.fresh:
+            k = key[chunk.start : chunk.end].transpose(0, 1)[None]
+            v = value[chunk.start : chunk.end].transpose(0, 1)[None]
+            mask = None
+        else:
+            k, v = _gather(kv_cache, chunk.blocks[None], chunk.seq_len, query.dtype)
+            mask = causal_lower_right(new, chunk.seq_len)
+        o = F.scaled_dot_product_attention(
+            q,
+            k.to(query.dtype),
+            v.to(query.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _gather_prefills(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunks: list[PrefillChunk],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The previous prefill path: 3-D SDPA over gathered K and V, boolean masks."""
+    for chunk in chunks:
         k, v = _gather(kv_cache, chunk.blocks, chunk.seq_len, query.dtype)
         q = query[chunk.start : chunk.end].transpose(0, 1)  # [heads, new, head_dim]
         o = F.scaled_dot_product_attention(
@@ -141,4 +202,3 @@ def paged_attention(
             enable_gqa=True,
         )
         out[chunk.start : chunk.end] = o.transpose(0, 1)
-    return out

@@ -134,7 +134,7 @@ class Attention(nn.Module):
         k = _rotate(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, slots)
-        out = paged_attention(q, kv_cache, layout, self.scale)
+        out = paged_attention(q, k, v, kv_cache, layout, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -180,6 +180,8 @@ class Qwen2TextModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        #: One of :data:`~ec_frontend.model.paged_attention.BACKENDS`.
+        self.attention_backend = "sdpa"
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -191,7 +193,7 @@ class Qwen2TextModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        layout = build_layout(meta, inputs_embeds.device)
+        layout = build_layout(meta, inputs_embeds.device, self.attention_backend)
         slots = meta.slot_mapping.to(inputs_embeds.device)
         rope = self.rotary(positions.to(inputs_embeds.device), inputs_embeds.dtype)
         h = inputs_embeds

@@ -1,0 +1,114 @@
+"""Every attention backend equals the previous gather path, and a plain per-request
+softmax attention, to 1e-5 in float32 over random mixes of decodes, fresh
+prefills and continuation chunks (block sizes 16 and 32, GQA ratios 1, 2 and 7)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from ec_frontend.model.interface import AttentionMetadata
+from ec_frontend.model.paged_attention import BACKENDS, build_layout, paged_attention, write_kv
+
+HEAD_DIM = 16
+NUM_KV_HEADS = 2
+NUM_BLOCKS = 160
+
+
+def _step(
+    rng: random.Random, block_size: int, ratio: int
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random step: ``(meta, query, key, value, kv_cache)`` with the cache already
+    holding every request's context (earlier tokens random, new ones written)."""
+    heads = NUM_KV_HEADS * ratio
+    cache = torch.randn(2, NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)
+    kinds = [
+        rng.choice(["decode", "decode", "fresh", "continue"]) for _ in range(rng.randint(1, 7))
+    ]
+    seq_lens, query_lens, tables, slots = [], [], [], []
+    for kind in kinds:
+        new = 1 if kind == "decode" else rng.randint(2, 70)
+        cached = 0 if kind == "fresh" else rng.randint(1, 150)
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(blocks)
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size for p in range(cached, total)
+        ]
+        seq_lens.append(total)
+        query_lens.append(new)
+    width = max(len(t) for t in tables)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens),
+        query_lens=torch.tensor(query_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots),
+        block_size=block_size,
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=query_lens,
+    )
+    tokens = starts[-1]
+    query = torch.randn(tokens, heads, HEAD_DIM)
+    key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM)
+    value = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM)
+    write_kv(cache, key, value, meta.slot_mapping)
+    return meta, query, key, value, cache
+
+
+def _naive(
+    meta: AttentionMetadata, query: torch.Tensor, cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Per request: read the context token by token, softmax over allowed keys."""
+    bs = meta.block_size
+    ratio = query.shape[1] // NUM_KV_HEADS
+    out = torch.empty_like(query)
+    start = 0
+    for i, (new, total) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        table = meta.block_tables[i].tolist()
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)])
+        k = cache[0].flatten(0, 1)[slots].repeat_interleave(ratio, dim=1)  # [total, heads, d]
+        v = cache[1].flatten(0, 1)[slots].repeat_interleave(ratio, dim=1)
+        q = query[start : start + new]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        allowed = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start : start + new] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        start += new
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("ratio", [1, 2, 7])
+def test_backends_equal_the_gather_path(block_size: int, ratio: int) -> None:
+    rng = random.Random(block_size * 10 + ratio)
+    torch.manual_seed(block_size + ratio)
+    scale = HEAD_DIM**-0.5
+    kinds_seen: set[str] = set()
+    for _ in range(12):
+        meta, query, key, value, cache = _step(rng, block_size, ratio)
+        kinds_seen.update(
+            "decode" if q == 1 else "fresh" if q == s else "continue"
+            for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        )
+        ref = paged_attention(
+            query, key, value, cache, build_layout(meta, query.device, "gather"), scale
+        )
+        torch.testing.assert_close(ref, _naive(meta, query, cache, scale), atol=1e-5, rtol=1e-5)
+        for backend in BACKENDS:
+            layout = build_layout(meta, query.device, backend)
+            got = paged_attention(query, key, value, cache, layout, scale)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=backend)
+    assert kinds_seen == {"decode", "fresh", "continue"}
+
+
+def test_unknown_backend_is_refused() -> None:
+    meta, query, *_ = _step(random.Random(0), 16, 1)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        build_layout(meta, query.device, "nope")
