@@ -140,6 +140,15 @@ def test_huge_header_costs_neither_time_nor_memory(server: Proc) -> None:
     assert rss_kib(server.proc.pid) <= baseline * 1.10
 
 
+def test_invalid_http_is_an_openai_style_400(server: Proc) -> None:
+    before = refused(server, "invalid_http")
+    response = raw_exchange(server, b"NOT AN HTTP REQUEST\r\n\r\n")
+    assert status_of(response) == 400
+    assert error_code(response) == "invalid_http"
+    assert refused(server, "invalid_http") == before + 1
+    assert_healthy(server)
+
+
 def test_url_over_limit_is_414(server: Proc) -> None:
     before = refused(server, "url_too_long")
     r = httpx.get(server.url + "/health?q=" + "a" * (URL_LIMIT + 1), timeout=10)

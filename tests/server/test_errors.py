@@ -224,7 +224,16 @@ def test_truncated_request_on_raw_socket(mock_server: ServerProcess) -> None:
 
 
 def test_openai_client_sees_typed_errors(mock_server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=mock_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    url = mock_server.url + "/v1"
+    with (
+        openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0) as client,
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad_key,
+    ):
+        _typed_errors(client, bad_key)
+    assert_alive(mock_server)
+
+
+def _typed_errors(client: openai.OpenAI, bad_key: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
             model=MOCK_MODEL, messages=[{"role": "user", "content": "x"}], temperature=5
@@ -233,7 +242,5 @@ def test_openai_client_sees_typed_errors(mock_server: ServerProcess) -> None:
     assert bad.value.body["param"] == "temperature"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
-    bad_key = openai.OpenAI(base_url=mock_server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
-    assert_alive(mock_server)

@@ -8,6 +8,7 @@ The server runs with the echo connectors of ``ec_test_connectors``: their
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ IMAGE_MESSAGES: list[Any] = [
 
 
 @pytest.fixture(scope="module")
-def client(model_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0)
+def client(model_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_models(client: openai.OpenAI) -> None:

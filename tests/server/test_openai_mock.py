@@ -6,6 +6,7 @@ text of every request is known exactly; see ``entrypoints/mock_engine.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client(mock_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mock_server.url + "/v1", api_key=API_KEY, max_retries=0)
+def client(mock_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=mock_server.url + "/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
 
 
 def echo(prompt: str, n: int) -> str:

@@ -231,8 +231,9 @@ def test_abort_requests_ends_every_choice_of_a_request(
 
 
 @pytest.fixture(scope="module")
-def model_client(model_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0)
+def model_client(model_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=model_server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_model_tokenize_detokenize_round_trip(model_server: ServerProcess) -> None:

@@ -21,7 +21,9 @@ a byte (its keep-alive timer starts only after a first response).
 
 Keep-alive idle time is uvicorn's own ``timeout_keep_alive``; the body's read
 deadline is the app's (``ServerConfig.body_timeout_s``), which can answer 408.
-Every refusal is counted in ``ec_frontend_http_connections_refused_total{reason}``.
+A request that is not valid HTTP gets an OpenAI-style 400 ``invalid_http`` (uvicorn's
+own answer is plain text). Every refusal is counted in
+``ec_frontend_http_connections_refused_total{reason}``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _Refusal(Exception):
 
 
 _MESSAGES = {
+    400: ("invalid_http", "the request is not valid HTTP/1.1"),
     408: ("request_timeout", "the request head did not arrive in time"),
     414: ("uri_too_long", "the request URL exceeds {limit} bytes"),
     431: ("request_header_fields_too_large", "the request headers exceed {limit} bytes"),
@@ -180,8 +183,8 @@ def hardened_protocol(limits: HttpLimits, refused: Counter) -> type[asyncio.Prot
                     count(reason)
                     self._refuse(status, limit)
                     return
-                self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
+                count("invalid_http")
+                self._refuse(400)
                 return
             if self._reading_head and self._head_bytes > limits.max_header_bytes:
                 count("header_too_large")
