@@ -14,7 +14,7 @@ import base64
 import io
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import ec_frontend as ecf
 import httpx
@@ -96,24 +96,27 @@ class _Server:
         return item.mm_hash
 
 
-def _serve(model_dir: Path) -> Proc:
-    return Proc(
-        "serve",
-        ["--model", str(model_dir), "--device", "cpu", "--max-model-len", "1024",
-         "--served-model-name", MODEL_NAME],
-        "server",
-    )  # fmt: skip
+class Deployment(NamedTuple):
+    fresh: _Server  # an aggregated server that never sees the attacker
+    attacked: _Server  # the PD instance, attacked directly (no transfer params: it encodes)
+    encoder: Proc
+    proxy: Proc
 
 
 @pytest.fixture(scope="module")
-def servers(builtin_model_dir: Path) -> Iterator[tuple[_Server, _Server]]:
-    """(attacked, fresh): two identical servers, loaded in parallel."""
-    procs = start_all([_serve(builtin_model_dir), _serve(builtin_model_dir)])
+def dep(builtin_model_dir: Path) -> Iterator[Deployment]:
+    """An aggregated server, and E+PD over the EC side channel behind a proxy."""
+    m = builtin_model_dir
+    agg = serve(m, "agg")
+    e = serve(m, "e", ec=side_channel_ec("ec_producer"))
+    pd = serve(m, "pd", ec=side_channel_ec("ec_consumer"))
+    procs = start_all([agg, e, pd])
+    procs.append(proxy("proxy", encode=[e.url], decode=[pd.url]).wait_ready())
     try:
-        yield _Server(procs[0]), _Server(procs[1])
+        yield Deployment(_Server(agg), _Server(pd), e, procs[3])
     finally:
-        for p in procs:
-            assert p.stop() == 0
+        codes = {p.name: p.stop() for p in procs}
+    assert (codes["agg"], codes["e"], codes["pd"]) == (0, 0, 0)
 
 
 def _same(a: list[tuple[str, float, list[float]]], b: list[tuple[str, float, list[float]]]) -> bool:
@@ -124,8 +127,8 @@ def _same(a: list[tuple[str, float, list[float]]], b: list[tuple[str, float, lis
 
 
 @pytest.mark.slow
-def test_uuid_cannot_poison_a_content_key(servers: tuple[_Server, _Server]) -> None:
-    attacked, fresh = servers
+def test_uuid_cannot_poison_a_content_key(dep: Deployment) -> None:
+    attacked, fresh = dep.attacked, dep.fresh
     victim = _chat_body(VICTIM_PNG)
     victim_key = ecf.compute_mm_hash(VICTIM_PNG, model_id=attacked.model_id)
     assert attacked.key(victim) == victim_key
@@ -143,11 +146,11 @@ def test_uuid_cannot_poison_a_content_key(servers: tuple[_Server, _Server]) -> N
 
 
 @pytest.mark.slow
-def test_shared_keys_serve_the_first_item_unless_salted(servers: tuple[_Server, _Server]) -> None:
+def test_shared_keys_serve_the_first_item_unless_salted(dep: Deployment) -> None:
     """One uuid names one item: a second image sent under a uuid already cached is
     answered from the first image's embeddings (so the comparison above can see a
     poisoned answer), unless the two requests carry different ``cache_salt``."""
-    attacked, fresh = servers
+    attacked, fresh = dep.attacked, dep.fresh
     reference = fresh.greedy(_chat_body(VICTIM_PNG))
 
     attacked.greedy(_chat_body(ATTACKER_PNG, uuid="shared-name"))
@@ -163,28 +166,12 @@ def test_shared_keys_serve_the_first_item_unless_salted(servers: tuple[_Server, 
     assert _same(salted, reference), (salted, reference)
 
 
-@pytest.fixture(scope="module")
-def e_pd(builtin_model_dir: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
-    """(encoder, prefill/decode, proxy): E+PD over the EC side channel."""
-    e = serve(builtin_model_dir, "e", ec=side_channel_ec("ec_producer"))
-    pd = serve(builtin_model_dir, "pd", ec=side_channel_ec("ec_consumer"))
-    procs = start_all([e, pd])
-    procs.append(proxy("proxy", encode=[e.url], decode=[pd.url]).wait_ready())
-    try:
-        yield e, pd, procs[2]
-    finally:
-        codes = {p.name: p.stop() for p in procs}
-    assert (codes["e"], codes["pd"]) == (0, 0)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("uuid", [None, "item-9"])
-def test_encoder_and_decoder_agree_on_salted_keys(
-    e_pd: tuple[Proc, Proc, Proc], uuid: str | None
-) -> None:
+def test_encoder_and_decoder_agree_on_salted_keys(dep: Deployment, uuid: str | None) -> None:
     """Through the proxy, a salted item (content- or uuid-keyed) encoded on E is
     found under the same key on PD: PD loads it and encodes nothing."""
-    e, pd, px = e_pd
+    e, pd, px = dep.encoder, dep.attacked.proc, dep.proxy
     before = (e.metric("encoder_items_computed_total"), pd.metrics())
     client = openai.OpenAI(base_url=px.url + "/v1", api_key="unused", max_retries=0)
     body = _chat_body(VICTIM_PNG, uuid=uuid, salt=f"tenant-{uuid}")
