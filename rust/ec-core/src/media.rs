@@ -109,6 +109,8 @@ pub struct KeyScope<'s> {
 }
 
 impl<'s> KeyScope<'s> {
+    /// The scope of one request: `cache_salt` as the request gave it (the parser
+    /// rejects an empty one; here `Some("")` still differs from `None`).
     pub fn new(
         model_id: &'s str,
         processor_kwargs: Option<&Value<'_>>,
