@@ -101,10 +101,17 @@ def test_backends_equal_the_gather_path(block_size: int, ratio: int) -> None:
             query, key, value, cache, build_layout(meta, query.device, "gather"), scale
         )
         torch.testing.assert_close(ref, _naive(meta, query, cache, scale), atol=1e-5, rtol=1e-5)
+        # A second layer's cache: a layout (and its decode workspace) serves every layer.
+        other = torch.randn_like(cache)
+        write_kv(other, key, value, meta.slot_mapping)
+        ref_other = paged_attention(
+            query, key, value, other, build_layout(meta, query.device, "gather"), scale
+        )
         for backend in BACKENDS:
             layout = build_layout(meta, query.device, backend)
-            got = paged_attention(query, key, value, cache, layout, scale)
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=backend)
+            for layer_cache, want in ((cache, ref), (other, ref_other)):
+                got = paged_attention(query, key, value, layer_cache, layout, scale)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=backend)
     assert kinds_seen == {"decode", "fresh", "continue"}
 
 

@@ -11,8 +11,9 @@ nothing cached attends over its own K and V (already at hand) with
 ``is_causal``; a continuation chunk reads its context from its block table and
 uses a lower-right causal mask (``causal_lower_right``), so the new tokens line
 up with the last rows of the context. All decodes (one new token each) share
-one call padded only to the longest decode context. Grouped KV heads are
-expanded by SDPA (``enable_gqa``).
+one call padded only to the longest decode context; their blocks are copied
+with one ``index_select`` per layer into a workspace that the step's layers
+share. Grouped KV heads are expanded by SDPA (``enable_gqa``).
 
 The ``gather`` backend is the previous path (3-D calls with an explicit
 boolean mask for every prefill chunk); it stays as the portable reference.
@@ -40,6 +41,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [D, blocks]
     mask: torch.Tensor  # [D, 1, 1, context] bool, True = may attend
     context: int
+    #: ``[2, D * blocks, block elements]``: the decodes' K and V blocks, allocated by
+    #: the first layer and refilled by every later one (see :func:`_decode_context`).
+    workspace: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -133,6 +137,24 @@ def _gather(
     return k.transpose(-3, -2).to(dtype), v.transpose(-3, -2).to(dtype)
 
 
+def _decode_context(
+    kv_cache: torch.Tensor, group: DecodeGroup, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[D, kv_heads, context, head_dim]`` of the decodes: their blocks
+    copied, K and V in one ``index_select``, into the step's workspace. Reusing one
+    buffer for every layer spares an allocation (on the CPU, fresh pages) per layer."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    tables = group.block_tables
+    ws = group.workspace
+    if ws is None or ws.dtype != kv_cache.dtype:
+        ws = kv_cache.new_empty((2, tables.numel(), block_size * num_kv_heads * head_dim))
+        group.workspace = ws
+    torch.index_select(kv_cache.view(2, num_blocks, -1), 1, tables.flatten(), out=ws)
+    kv = ws.view(2, tables.shape[0], -1, num_kv_heads, head_dim)[:, :, : group.context]
+    kv = kv.transpose(-3, -2).to(dtype)
+    return kv[0], kv[1]
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -149,7 +171,10 @@ def paged_attention(
     out = torch.empty_like(query)
     group = layout.decodes
     if group is not None:
-        k, v = _gather(kv_cache, group.block_tables, group.context, query.dtype)
+        if layout.backend == "gather":
+            k, v = _gather(kv_cache, group.block_tables, group.context, query.dtype)
+        else:
+            k, v = _decode_context(kv_cache, group, query.dtype)
         q = query[group.rows][:, :, None, :]  # [D, heads, 1, head_dim]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
