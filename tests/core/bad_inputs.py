@@ -227,7 +227,7 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
         "out_of_range",
         "max_tokens",
     ),
-    ("max-tokens-string", "chat", _chat(max_tokens="10"), "invalid_type", "max_tokens"),
+    ("max-tokens-string", "chat", _chat(max_tokens="10.5"), "invalid_type", "max_tokens"),
     ("max-tokens-fraction", "chat", _chat(max_tokens=1.5), "invalid_type", "max_tokens"),
     (
         "max-tokens-huge",
@@ -245,7 +245,7 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
     ),
     ("temperature-high", "chat", _chat(temperature=2.5), "out_of_range", "temperature"),
     ("temperature-negative", "chat", _chat(temperature=-1), "out_of_range", "temperature"),
-    ("temperature-bool", "chat", _chat(temperature=True), "invalid_type", "temperature"),
+    ("temperature-list", "chat", _chat(temperature=[1]), "invalid_type", "temperature"),
     ("top-p-zero", "chat", _chat(top_p=0), "out_of_range", "top_p"),
     ("top-k-low", "chat", _chat(top_k=-5), "out_of_range", "top_k"),
     ("min-p-high", "chat", _chat(min_p=2), "out_of_range", "min_p"),
@@ -288,7 +288,7 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
         "out_of_range",
         "stop_token_ids[0]",
     ),
-    ("stream-string", "chat", _chat(stream="yes"), "invalid_type", "stream"),
+    ("stream-string", "chat", _chat(stream="maybe"), "invalid_type", "stream"),
     (
         "stream-options-no-stream",
         "chat",
@@ -318,9 +318,9 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
         "prompt[1]",
     ),
     (
-        "completions-logprobs-bool",
+        "completions-logprobs-string",
         "completions",
-        b'{"prompt": "x", "logprobs": true}',
+        b'{"prompt": "x", "logprobs": "all"}',
         "invalid_type",
         "logprobs",
     ),
@@ -350,7 +350,7 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
     ),
     ("token-ids-missing", "generate", b'{"request_id": "r"}', "missing_field", "token_ids"),
     ("token-ids-empty", "generate", b'{"token_ids": []}', "invalid_value", "token_ids"),
-    ("token-ids-strings", "generate", b'{"token_ids": ["1"]}', "invalid_type", "token_ids[0]"),
+    ("token-ids-strings", "generate", b'{"token_ids": ["one"]}', "invalid_type", "token_ids[0]"),
     (
         "token-id-too-big",
         "generate",

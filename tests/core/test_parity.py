@@ -19,26 +19,26 @@ ABSENT = object()
 
 # Values per field, valid and invalid, that a typed client could send.
 CHOICES: dict[str, list[Any]] = {
-    "temperature": [None, 0, 0.0, 1e-6, 0.7, 1, 2, 2.5, -0.1],
+    "temperature": [None, 0, 0.0, 1e-6, 0.7, 1, 2, 2.5, -0.1, "0.5", " 1e-1", "hot", True],
     "top_p": [None, 0.1, 1, 0, 1.2],
     "top_k": [None, -1, 0, 5, -2],
     "min_p": [None, 0, 0.5, 1.5],
-    "max_tokens": [None, 1, 100, 0, -5, 7.0],
+    "max_tokens": [None, 1, 100, 0, -5, 7.0, "16", "16.0", "16.5", 1.5, True],
     "max_completion_tokens": [None, 3, 0],
-    "n": [None, 1, 4, 0, 200],
+    "n": [None, 1, 4, 0, 200, True, "2"],
     "seed": [None, 0, -1, 2**63 - 1, 2**63, -(2**63)],
-    "stop": [None, "x", ["a", "b"], []],
-    "stop_token_ids": [None, [], [1, 2], [-1]],
+    "stop": [None, "x", ["a", "b"], [], ["a", "b", "c", "d"], ["a", "b", "c", "d", "e"]],
+    "stop_token_ids": [None, [], [1, 2], [-1], ["3", 4.0]],
     "presence_penalty": [None, -2, 0.5, 2.5],
     "frequency_penalty": [None, 2, -0.5, -3],
     "repetition_penalty": [None, 1.1, 0, -1],
-    "logprobs": [None, True, False],
+    "logprobs": [None, True, False, "true", 0, 2],
     "top_logprobs": [None, 0, 3, 20, 21, -1],
     "prompt_logprobs": [None, 0, 2, -1, -2],
     "echo": [True, False],
-    "stream": [None, True, False],
-    "stream_options": [None, {"include_usage": True}],
-    "ignore_eos": [True, False],
+    "stream": [None, True, False, 1, "yes", "off", 2],
+    "stream_options": [None, {"include_usage": True}, {"include_usage": "1"}],
+    "ignore_eos": [True, False, "y", 1.0],
     "skip_special_tokens": [True, False],
     "include_stop_str_in_output": [True, False],
     "vllm_xargs": [None, {}, {"a": 1}, {"kv_transfer_params": "old", "b": [1]}],
@@ -78,7 +78,7 @@ def _generated(count: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-CORPUS = HANDWRITTEN + _generated(400, seed=20261129)
+CORPUS = HANDWRITTEN + _generated(600, seed=20261129)
 
 
 def _ours(body: bytes) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 LONG_MIN = -(2**63)
 LONG_MAX = 2**63 - 1
@@ -58,6 +58,18 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+def _flag(data: dict[str, Any], key: str) -> bool:
+    """A boolean field as the model will read it (pydantic's lax coercion).
+
+    vLLM's "before" validators test the raw value's truthiness (``"off"`` counts as
+    true there); this project checks the coerced value (docs/compatibility.md).
+    """
+    try:
+        return bool(TypeAdapter(bool | None).validate_python(data.get(key)))
+    except ValidationError:
+        return bool(data.get(key))
+
+
 class ChatCompletionRequest(BaseModel):
     """The sampling-relevant part of vLLM's chat request; other fields are allowed."""
 
@@ -73,7 +85,7 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = 1
     presence_penalty: float | None = 0.0
     seed: int | None = Field(None, ge=LONG_MIN, le=LONG_MAX)
-    stop: str | list[str] | None = []
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = []
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -99,6 +111,8 @@ class ChatCompletionRequest(BaseModel):
     def _check(self) -> ChatCompletionRequest:
         if not self.messages:
             raise ValueError("messages must not be empty")
+        if self.echo:
+            raise ValueError("echo is refused on chat (docs/compatibility.md)")
         if self.stream_options and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         if self.top_logprobs is not None:
@@ -254,7 +268,7 @@ class FullChatCompletionRequest(ChatCompletionRequest):
     @model_validator(mode="before")
     @classmethod
     def _stream_options(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+        if isinstance(data, dict) and data.get("stream_options") and not _flag(data, "stream"):
             raise ValueError("stream_options can only be set when stream is true")
         return data
 
@@ -264,10 +278,10 @@ class FullChatCompletionRequest(ChatCompletionRequest):
         if not isinstance(data, dict):
             return data
         prompt_logprobs = data.get("prompt_logprobs")
-        if isinstance(prompt_logprobs, int) and data.get("stream") and prompt_logprobs != 0:
+        if isinstance(prompt_logprobs, int) and _flag(data, "stream") and prompt_logprobs != 0:
             raise ValueError("prompt_logprobs are not available when stream is true")
         top = data.get("top_logprobs")
-        if isinstance(top, int) and top > 0 and not data.get("logprobs"):
+        if isinstance(top, int) and top > 0 and not _flag(data, "logprobs"):
             raise ValueError("when using top_logprobs, logprobs must be set to true")
         return data
 

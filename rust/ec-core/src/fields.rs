@@ -71,27 +71,115 @@ pub fn string<'v>(v: &'v Value<'_>, path: &Path<'_>) -> Result<&'v str> {
     }
 }
 
-/// A boolean.
+/// A boolean, coerced as pydantic's lax mode does for vLLM: `0`/`1` (integer or
+/// float) and the strings `true false 1 0 yes no on off t f y n` in any case.
 pub fn boolean(v: &Value<'_>, path: &Path<'_>) -> Result<bool> {
-    match v {
-        Value::Bool(b) => Ok(*b),
-        other => Err(type_error(path, "a boolean", other)),
+    let found = match v {
+        Value::Bool(b) => return Ok(*b),
+        Value::Number(Number::Int(i)) if matches!(i, 0 | 1) => return Ok(*i == 1),
+        Value::Number(Number::UInt(u)) if matches!(u, 0 | 1) => return Ok(*u == 1),
+        Value::Number(Number::Float(f)) if *f == 0.0 || *f == 1.0 => return Ok(*f == 1.0),
+        Value::String(s) => match lax_bool(s) {
+            Some(b) => return Ok(b),
+            None => "a string that is not a boolean",
+        },
+        Value::Number(_) => "a number other than 0 or 1",
+        other => other.type_name(),
+    };
+    Err(RequestError::InvalidType {
+        param: path.render(),
+        expected: "a boolean",
+        found,
+    })
+}
+
+fn lax_bool(s: &str) -> Option<bool> {
+    const TRUE: [&str; 6] = ["true", "1", "yes", "on", "t", "y"];
+    const FALSE: [&str; 6] = ["false", "0", "no", "off", "f", "n"];
+    if TRUE.iter().any(|t| t.eq_ignore_ascii_case(s)) {
+        Some(true)
+    } else if FALSE.iter().any(|t| t.eq_ignore_ascii_case(s)) {
+        Some(false)
+    } else {
+        None
     }
 }
 
-/// A finite number.
+/// `s` without its surrounding whitespace and with the underscores that stand between
+/// two digits removed; `None` when an underscore stands anywhere else (as Python's
+/// number syntax, which pydantic follows).
+fn strip_digit_underscores(s: &str) -> Option<Cow<'_, str>> {
+    let s = s.trim();
+    if !s.contains('_') {
+        return Some(Cow::Borrowed(s));
+    }
+    let b = s.as_bytes();
+    let digit = |i: usize| b.get(i).is_some_and(u8::is_ascii_digit);
+    let mut out = String::with_capacity(s.len());
+    for (i, c) in s.char_indices() {
+        if c == '_' {
+            if i == 0 || !digit(i - 1) || !digit(i + 1) {
+                return None;
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    Some(Cow::Owned(out))
+}
+
+/// A numeric string as pydantic reads one for a `float` field.
+fn lax_float(s: &str) -> Option<f64> {
+    let s = strip_digit_underscores(s)?;
+    let body = s.trim_start_matches(['+', '-']);
+    let named = ["inf", "infinity", "nan"]
+        .iter()
+        .any(|n| n.eq_ignore_ascii_case(body));
+    let plain = !body.is_empty()
+        && body
+            .bytes()
+            .all(|c| c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-'));
+    if named || plain {
+        s.parse().ok()
+    } else {
+        None
+    }
+}
+
+/// A string read as pydantic reads one for an `int` field: an optional sign, digits
+/// and an optional fraction of zeros (`"16"`, `" 16 "`, `"16.0"`; not `"16.5"`).
+/// `Err(true)` when it is an integer outside the 64-bit range.
+fn lax_int(s: &str) -> std::result::Result<i64, bool> {
+    let s = strip_digit_underscores(s).ok_or(false)?;
+    let (int, frac) = s.split_once('.').unwrap_or((&s, ""));
+    let digits = int.strip_prefix(['+', '-']).unwrap_or(int);
+    let fraction_ok = !s.contains('.') || (!frac.is_empty() && frac.bytes().all(|c| c == b'0'));
+    if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) || !fraction_ok {
+        return Err(false);
+    }
+    int.parse().map_err(|_| true)
+}
+
+/// A number; a numeric string or a boolean is coerced as pydantic's lax mode does.
 pub fn number(v: &Value<'_>, path: &Path<'_>) -> Result<f64> {
     match v {
         Value::Number(Number::Int(i)) => Ok(*i as f64),
         Value::Number(Number::UInt(u)) => Ok(*u as f64),
         Value::Number(Number::Float(f)) => Ok(*f),
+        Value::Bool(b) => Ok(f64::from(u8::from(*b))),
+        Value::String(s) => lax_float(s).ok_or(RequestError::InvalidType {
+            param: path.render(),
+            expected: "a number",
+            found: "a string that is not a number",
+        }),
         Value::BigInt(_) => Err(range_error(path, format!("'{path}' is too large"))),
         other => Err(type_error(path, "a number", other)),
     }
 }
 
-/// An integer in the signed 64-bit range. A float with no fractional part is accepted
-/// (as pydantic's lax mode does for vLLM); `1.5` is not.
+/// An integer in the signed 64-bit range, coerced as pydantic's lax mode does for
+/// vLLM: a float with no fractional part, a boolean (`0`/`1`) and an integer string
+/// are accepted; `1.5` and `"16.5"` are not.
 pub fn integer(v: &Value<'_>, path: &Path<'_>) -> Result<i64> {
     const LIMIT: f64 = 9_223_372_036_854_775_808.0;
     match v {
@@ -114,6 +202,21 @@ pub fn integer(v: &Value<'_>, path: &Path<'_>) -> Result<i64> {
             param: path.render(),
             expected: "an integer",
             found: "a number with a fractional part",
+        }),
+        Value::Bool(b) => Ok(i64::from(*b)),
+        Value::String(s) => lax_int(s).map_err(|too_large| {
+            if too_large {
+                range_error(
+                    path,
+                    format!("'{path}' is outside the 64-bit integer range"),
+                )
+            } else {
+                RequestError::InvalidType {
+                    param: path.render(),
+                    expected: "an integer",
+                    found: "a string that is not an integer",
+                }
+            }
         }),
         other => Err(type_error(path, "an integer", other)),
     }

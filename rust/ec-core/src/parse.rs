@@ -47,6 +47,13 @@ pub fn parse_request(
     };
     let mut req = ParsedRequest::new(endpoint);
     let fields = Fields::gather(members, mask, &ROOT, &mut req.unknown_fields);
+    if let Some((name, reason)) = fieldset::unsupported(endpoint, members) {
+        let path = ROOT.key(&name);
+        return Err(value_error(
+            &path,
+            format!("'{name}' is not supported: {reason}"),
+        ));
+    }
 
     req.model = opt_string(fields.raw(F::Model), &ROOT.key("model"))?;
     req.user = opt_string(fields.raw(F::User), &ROOT.key("user"))?;
@@ -69,6 +76,12 @@ pub fn parse_request(
         true,
     )?;
     req.echo = opt_bool(fields.raw(F::Echo), &ROOT.key("echo"), false)?;
+    if req.echo && endpoint == Endpoint::Chat {
+        return Err(value_error(
+            &ROOT.key("echo"),
+            "'echo' is not supported on chat completions",
+        ));
+    }
     keep(4)?;
 
     let cache_salt = cache_salt(fields.raw(F::CacheSalt))?;

@@ -2,7 +2,7 @@
 
 use crate::error::Result;
 use crate::fields::{
-    array, boolean, integer_in, number_in, object, present, string, token_id, type_error,
+    array, boolean, integer, integer_in, number_in, object, present, string, token_id, type_error,
     value_error,
 };
 use crate::fieldset::{Fields, F};
@@ -72,11 +72,18 @@ pub fn sampling_params(
         max_tokens: length.default,
         ..SamplingParams::default()
     };
+    // Every length field given must be an integer (vLLM's model checks each type);
+    // the range applies to the one that wins.
+    let mut winner = None;
     for &f in length.fields {
         if let Some(v) = fields.get(f) {
-            p.max_tokens = Some(integer_in(v, &at.key(f.name()), 1, i64::MAX)? as u64);
-            break;
+            let path = at.key(f.name());
+            integer(v, &path)?;
+            winner = winner.or(Some((v, path)));
         }
+    }
+    if let Some((v, path)) = winner {
+        p.max_tokens = Some(integer_in(v, &path, 1, i64::MAX)? as u64);
     }
     p.temperature = opt_f64(fields, F::Temperature, at, 0.0, 2.0, false, 1.0)?;
     p.top_p = opt_f64(fields, F::TopP, at, 0.0, 1.0, true, 1.0)?;
@@ -156,21 +163,27 @@ pub fn sampling_params(
             }
             Some(k)
         }
-        // As vLLM: an echoed chat prompt gets `top_logprobs` prompt logprobs (0 when the
-        // field is absent, none when it is an explicit null).
-        None if echo => match style {
-            LogprobStyle::Chat if matches!(fields.raw(F::TopLogprobs), Some(Value::Null)) => None,
-            LogprobStyle::Chat => Some(top_logprobs.unwrap_or(0) as i32),
-            _ => p.logprobs.map(|k| k as i32),
-        },
+        // As vLLM: an echoed completions prompt gets as many prompt logprobs as the
+        // generated tokens (the parser refuses `echo` on chat).
+        None if echo => p.logprobs.map(|k| k as i32),
         None => None,
     };
     Ok(p)
 }
 
+/// Most stop strings in a list (OpenAI's limit, which vLLM enforces too).
+pub const MAX_STOP: usize = 4;
+
 fn stop_list(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<String>> {
     match v {
         Value::String(s) => Ok(vec![s.to_string()]),
+        Value::Array(items) if items.len() > MAX_STOP => Err(value_error(
+            path,
+            format!(
+                "'{path}' has {} stop strings, at most {MAX_STOP} are allowed",
+                items.len()
+            ),
+        )),
         Value::Array(items) => items
             .iter()
             .enumerate()
@@ -194,9 +207,18 @@ pub fn stream_flags(fields: &Fields<'_, '_>) -> Result<(bool, bool)> {
             "'stream_options' can only be set when 'stream' is true",
         ));
     }
-    let include_usage = present(options.get("include_usage"))
-        .map(|v| boolean(v, &path.key("include_usage")))
-        .transpose()?
-        .unwrap_or(false);
+    let flag = |name: &str| -> Result<bool> {
+        present(options.get(name))
+            .map(|v| boolean(v, &path.key(name)))
+            .transpose()
+            .map(|b| b.unwrap_or(false))
+    };
+    let include_usage = flag("include_usage")?;
+    if flag("continuous_usage_stats")? {
+        return Err(value_error(
+            &path.key("continuous_usage_stats"),
+            "'stream_options.continuous_usage_stats' is not supported yet",
+        ));
+    }
     Ok((stream, include_usage))
 }

@@ -26,7 +26,6 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":5}"#.into(), "/sampling/logprobs", json!(5)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"logprobs":true}"#.into(), "/sampling/logprobs", json!(0)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"logprobs":false,"top_logprobs":0}"#.into(), "/sampling/logprobs", json!(null)),
-        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"echo":true,"logprobs":true,"top_logprobs":3}"#.into(), "/sampling/prompt_logprobs", json!(3)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"seed":-9223372036854775808}"#.into(), "/sampling/seed", json!(i64::MIN)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}"#.into(), "/include_usage", json!(true)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"n":3}"#.into(), "/sampling/n", json!(3)),
