@@ -126,7 +126,9 @@ class ParsedRequest:
         (list[int]), ``n``, ``presence_penalty``, ``frequency_penalty``,
         ``repetition_penalty``, ``logprobs`` (int | None: number of top logprobs
         per token), ``prompt_logprobs`` (int | None), ``ignore_eos``,
-        ``skip_special_tokens``, ``include_stop_str_in_output``, ``extra_args``
+        ``skip_special_tokens``, ``include_stop_str_in_output``, ``logit_bias``
+        (dict[int, float] | None, each bias clamped to [-100, 100]),
+        ``allowed_token_ids`` (list[int] | None, never empty), ``extra_args``
         (the merged ``vllm_xargs``: dict | None).
 
         Defaults are vLLM's: ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` 0 (disabled;

@@ -41,6 +41,15 @@ CHOICES: dict[str, list[Any]] = {
     "ignore_eos": [True, False, "y", 1.0],
     "skip_special_tokens": [True, False],
     "include_stop_str_in_output": [True, False],
+    "logit_bias": [
+        None,
+        {},
+        {"5": 10},
+        {"7": 150, " 8 ": "-3.5", "1_0": True},
+        {"x": 1},
+        {"-1": 1},
+    ],
+    "allowed_token_ids": [None, [1, 2], [], ["3", 4.0], [-1]],
     "vllm_xargs": [None, {}, {"a": 1}, {"kv_transfer_params": "old", "b": [1]}],
     "kv_transfer_params": [None, {}, {"do_remote_decode": True}],
     "ec_transfer_params": [None, {}, {"ab12": {"peer_port": 5501}}],
@@ -78,7 +87,7 @@ def _generated(count: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-CORPUS = HANDWRITTEN + _generated(600, seed=20261129)
+CORPUS = HANDWRITTEN + _generated(800, seed=20261129)
 
 
 def _ours(body: bytes) -> dict[str, Any] | None:

@@ -106,6 +106,8 @@ class ChatCompletionRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -160,6 +162,8 @@ class ChatCompletionRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": _logit_bias(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids,
             "extra_args": self._extra_args(),
         }
         _verify(params)
@@ -181,6 +185,13 @@ class ChatCompletionRequest(BaseModel):
         return extra
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """vLLM's conversion: ``int()`` of each key, each bias clamped to [-100, 100]."""
+    if bias is None:
+        return None
+    return {int(k): min(100.0, max(-100.0, float(v))) for k, v in bias.items()}
+
+
 def _verify(p: dict[str, Any]) -> None:
     checks = [
         (p["max_tokens"] is None or p["max_tokens"] >= 1, "max_tokens must be at least 1"),
@@ -193,6 +204,12 @@ def _verify(p: dict[str, Any]) -> None:
         (-2.0 <= p["frequency_penalty"] <= 2.0, "frequency_penalty must be in [-2, 2]"),
         (p["repetition_penalty"] > 0.0, "repetition_penalty must be positive"),
         (all(0 <= t < 2**31 for t in p["stop_token_ids"]), "stop_token_ids out of range"),
+        (all(0 <= t < 2**31 for t in p["logit_bias"] or ()), "logit_bias ids out of range"),
+        (p["allowed_token_ids"] != [], "allowed_token_ids must not be empty"),
+        (
+            all(0 <= t < 2**31 for t in p["allowed_token_ids"] or ()),
+            "allowed_token_ids out of range",
+        ),
     ]
     for ok, message in checks:
         if not ok:

@@ -1,4 +1,5 @@
-"""Sampler: greedy, truncations, seeds, penalties and logprobs on hand-made logits."""
+"""Sampler: greedy, truncations, seeds, penalties, logit_bias, allowed_token_ids and
+logprobs on hand-made logits."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def row(
             {2},
         ),
         ({"temperature": 0.0, "frequency_penalty": 0.1, "out": (1,)}, {1}),
+        ({"temperature": 0.0, "logit_bias": {4: 10.0}}, {4}),
+        ({"temperature": 0.0, "logit_bias": {1: -0.2}}, {3}),
+        ({"temperature": 0.0, "logit_bias": {1: -100.0, 3: -100.0}}, {2}),
+        ({"temperature": 0.0, "logit_bias": {}}, {1}),
+        ({"temperature": 0.0, "allowed_token_ids": [0, 2]}, {2}),
+        ({"temperature": 1.0, "allowed_token_ids": [0, 4]}, {0, 4}),
+        ({"temperature": 1.0, "allowed_token_ids": [3, 1], "top_k": 1}, {1}),
+        ({"temperature": 0.0, "allowed_token_ids": [0, 2], "logit_bias": {0: 5.0}}, {0}),
+        ({"temperature": 0.0, "allowed_token_ids": [4, 99]}, {4}),
     ],
 )
 def test_truncations_and_penalties(params: dict[str, Any], allowed: set[int]) -> None:
@@ -80,3 +90,26 @@ def test_logprobs_rank_and_top() -> None:
 def test_row_count_must_match() -> None:
     with pytest.raises(ValueError, match="sampling rows"):
         Sampler()(LOGITS, [])
+
+
+def test_token_masks_apply_per_row_in_one_batch() -> None:
+    logits = LOGITS.repeat(4, 1)
+    rows = [
+        row(temperature=0.0, logit_bias={0: 4.0}),
+        row(temperature=0.0),
+        row(temperature=0.0, allowed_token_ids=[2]),
+        row(temperature=0.0, logit_bias={2: 1.5}, allowed_token_ids=[2, 3]),
+    ]
+    tokens, _ = Sampler()(logits, rows)
+    assert tokens == [0, 1, 2, 3]
+    assert torch.equal(logits, LOGITS.repeat(4, 1))
+
+
+def test_logprobs_are_those_before_the_bias() -> None:
+    tokens, logprobs = Sampler()(LOGITS, [row(temperature=0.0, logit_bias={4: 50.0}, logprobs=1)])
+    raw = torch.log_softmax(LOGITS[0], dim=-1)
+    assert tokens == [4]
+    lp = logprobs[0]
+    assert lp is not None
+    assert lp.logprob == pytest.approx(float(raw[4]))
+    assert lp.top[0][0] == 1

@@ -34,6 +34,11 @@ def test_from_dict_takes_defaults_for_none() -> None:
         ({"stop_token_ids": [1, -5]}, "stop_token_ids[1]"),
         ({"max_tokens": True}, "max_tokens"),
         ({"extra_args": [1]}, "extra_args"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [2, -1]}, "allowed_token_ids[1]"),
         ({"bogus": 1}, "bogus"),
     ],
 )
@@ -92,3 +97,15 @@ def test_refused_sampling_params_reserve_no_engine_request_id() -> None:
         asyncio.run(serving.make_jobs(parse_request("completions", body), "rid"))
     assert (info.value.status, info.value.param) == (400, "stop_token_ids")
     assert serving.active_ids() == []
+
+
+def test_logit_bias_and_allowed_ids_outside_the_vocabulary() -> None:
+    SamplingParams(logit_bias={5: 1.0}, allowed_token_ids=[2, 9]).check_vocab(10)
+    for params, param in (
+        (SamplingParams(logit_bias={5: 1.0, 10: -1.0}), "logit_bias"),
+        (SamplingParams(allowed_token_ids=[2, 10]), "allowed_token_ids"),
+    ):
+        with pytest.raises(SamplingParamsError) as info:
+            params.check_vocab(10)
+        assert info.value.param == param
+        assert "[10]" in info.value.message

@@ -3,7 +3,8 @@ strings or bools are coerced as vLLM's pydantic models do, and every field vLLM
 applies that this server does not is a 400 naming it (never silently dropped).
 
 The mock engine generates the prompt's characters, cycled, so a coerced
-``max_tokens`` or ``n`` shows in the output exactly.
+``max_tokens`` or ``n`` shows in the output exactly; ``logit_bias`` and
+``allowed_token_ids`` are checked on the built-in model, whose sampler applies them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from .conftest import API_KEY, MOCK_MODEL, ServerProcess
+from .conftest import API_KEY, MOCK_MODEL, MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +96,6 @@ UNSUPPORTED = [
         "tools",
     ),
     ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
-    ("/v1/chat/completions", chat(logit_bias={"104": 100}), "logit_bias"),
     ("/v1/chat/completions", chat(min_tokens=3), "min_tokens"),
     ("/v1/chat/completions", chat(continue_final_message=True), "continue_final_message"),
     ("/v1/chat/completions", chat(priority=1), "priority"),
@@ -163,3 +163,58 @@ def test_harmless_values_of_unapplied_fields_pass(client: openai.OpenAI) -> None
         extra_body={"min_tokens": 0, "priority": 0, "continue_final_message": False},
     )
     assert r.choices[0].message.content == CHAT_PROMPT[:4]
+
+
+# ------------------------------------------------------------------ built-in model
+
+
+def _token_of(server: ServerProcess, text: str) -> tuple[int, str]:
+    r = post(server, "/tokenize", {"model": MODEL_NAME, "prompt": text})
+    assert r.status_code == 200, r.text
+    tid = r.json()["tokens"][0]
+    r = post(server, "/detokenize", {"model": MODEL_NAME, "tokens": [tid]})
+    assert r.status_code == 200, r.text
+    return tid, r.json()["prompt"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_restrict_the_output(
+    model_server: ServerProcess, temperature: float
+) -> None:
+    a, a_text = _token_of(model_server, "a")
+    b, b_text = _token_of(model_server, " the")
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": temperature,
+        "seed": 3,
+        "logprobs": 0,
+        "allowed_token_ids": [str(a), b],
+        "ignore_eos": True,
+    }
+    r = post(model_server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 6
+    assert set(tokens) <= {a_text, b_text}, tokens
+
+
+def test_logit_bias_steers_greedy_output(model_server: ServerProcess) -> None:
+    a, a_text = _token_of(model_server, "a")
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    plain = post(model_server, "/v1/completions", {**body, "logprobs": 0}).json()
+    assert set(plain["choices"][0]["logprobs"]["tokens"]) != {a_text}
+    r = post(model_server, "/v1/completions", {**body, "logprobs": 0, "logit_bias": {str(a): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == [a_text] * 4
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+def test_token_ids_outside_the_vocabulary_are_400(model_server: ServerProcess, field: str) -> None:
+    value: Any = {"1000000000": 1} if field == "logit_bias" else [1, 1_000_000_000]
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, field: value}
+    r = post(model_server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert httpx.get(model_server.url + "/health").status_code == 200

@@ -1,9 +1,10 @@
 """Token selection for a batch of rows, each with its own sampling params.
 
-Order of operations per row: penalties (repetition, frequency, presence), then
-greedy argmax, or temperature, top-k, top-p and min-p followed by a draw. A row
-with a ``seed`` draws from its own ``torch.Generator``, so its output does not
-depend on its neighbours in the batch. Logprobs are those of the model's raw
+Order of operations per row: penalties (repetition, frequency, presence),
+``logit_bias`` and ``allowed_token_ids``, then greedy argmax, or temperature,
+top-k, top-p and min-p followed by a draw. A row with a ``seed`` draws from its
+own ``torch.Generator``, so its output does not depend on its neighbours in the
+batch. Logprobs are those of the model's raw
 distribution (before penalties and temperature), as in vLLM.
 """
 
@@ -53,6 +54,9 @@ class Sampler:
                 if row.params.has_penalties:
                     _apply_penalties(logits[i], row)
 
+        if any(r.params.logit_bias or r.params.allowed_token_ids is not None for r in rows):
+            logits = _apply_token_masks(logits, rows)
+
         greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
         chosen = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -101,6 +105,46 @@ class Sampler:
             if row.generator is not None:
                 noise[i].exponential_(generator=row.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logit_bias`` added and tokens outside ``allowed_token_ids`` set to ``-inf``,
+    for the whole batch in two indexed writes (a new tensor; ``logits`` is kept)."""
+    vocab = logits.shape[-1]
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_values: list[float] = []
+    restricted: list[int] = []
+    allowed_rows: list[int] = []
+    allowed_cols: list[int] = []
+    for i, row in enumerate(rows):
+        params = row.params
+        for tok, value in (params.logit_bias or {}).items():
+            if tok < vocab:
+                bias_rows.append(i)
+                bias_cols.append(tok)
+                bias_values.append(value)
+        if params.allowed_token_ids is not None:
+            restricted.append(i)
+            ids = [t for t in params.allowed_token_ids if t < vocab]
+            allowed_rows.extend([i] * len(ids))
+            allowed_cols.extend(ids)
+    device = logits.device
+    out = logits.clone()
+    if bias_rows:
+        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device))
+        out.index_put_(
+            index, torch.tensor(bias_values, dtype=out.dtype, device=device), accumulate=True
+        )
+    if restricted:
+        blocked = torch.zeros(out.shape, dtype=torch.bool, device=device)
+        blocked[torch.tensor(restricted, device=device)] = True
+        blocked[
+            torch.tensor(allowed_rows, dtype=torch.int64, device=device),
+            torch.tensor(allowed_cols, dtype=torch.int64, device=device),
+        ] = False
+        out = out.masked_fill(blocked, float("-inf"))
+    return out
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:

@@ -18,6 +18,12 @@ GREEDY_EPSILON = 1e-5
 NO_SEED = -1
 
 
+#: Fields for which ``None`` is a value (elsewhere ``None`` means "the default").
+NULLABLE = frozenset(
+    {"max_tokens", "seed", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids"}
+)
+
+
 class SamplingParamsError(ValueError):
     """Invalid sampling parameters; ``param`` names the field (maps to HTTP 400)."""
 
@@ -55,6 +61,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: Added to the logits of these token ids before sampling (vLLM clamps to +-100).
+    logit_bias: dict[int, float] | None = None
+    #: Sampling picks among these token ids only.
+    allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -71,10 +81,14 @@ class SamplingParams:
             raise SamplingParamsError(f"unknown sampling parameter {unknown[0]!r}", unknown[0])
         kwargs: dict[str, Any] = {}
         for key, value in sampling.items():
-            if value is None and key not in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            if value is None and key not in NULLABLE:
                 continue
-            if key in ("stop", "stop_token_ids") and value is not None:
+            if key in ("stop", "stop_token_ids", "allowed_token_ids") and value is not None:
                 value = list(value)
+            if key == "logit_bias" and value is not None:
+                if not isinstance(value, Mapping):
+                    raise SamplingParamsError("logit_bias must be an object", "logit_bias")
+                value = dict(value)
             if key == "extra_args" and value is not None:
                 if not isinstance(value, Mapping):
                     raise SamplingParamsError("extra_args must be an object", "extra_args")
@@ -119,6 +133,17 @@ class SamplingParams:
             raise SamplingParamsError("stop strings must not be empty", "stop")
         for i, tok in enumerate(self.stop_token_ids):
             _check_int(tok, f"stop_token_ids[{i}]", minimum=0)
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                _check_int(tok, "logit_bias", minimum=0)
+                _check_float(bias, "logit_bias", -100.0, 100.0)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise SamplingParamsError(
+                    "allowed_token_ids must not be empty", "allowed_token_ids"
+                )
+            for i, tok in enumerate(self.allowed_token_ids):
+                _check_int(tok, f"allowed_token_ids[{i}]", minimum=0)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise SamplingParamsError("extra_args must be an object", "extra_args")
 
@@ -128,13 +153,18 @@ class SamplingParams:
         Called where the model's vocabulary is known (vLLM checks the same
         bound: the width of the logits).
         """
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise SamplingParamsError(
-                f"token id(s) {bad} in stop_token_ids are outside the vocabulary "
-                f"(0 to {vocab_size - 1})",
-                "stop_token_ids",
-            )
+        for param, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise SamplingParamsError(
+                    f"token id(s) {bad} in {param} are outside the vocabulary "
+                    f"(0 to {vocab_size - 1})",
+                    param,
+                )
 
 
 def _check_int(value: object, param: str, *, minimum: int | None, optional: bool = False) -> None:

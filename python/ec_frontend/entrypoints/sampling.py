@@ -6,12 +6,16 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from ec_frontend.engine.sampling_params import NO_SEED, SamplingParams, SamplingParamsError
+from ec_frontend.engine.sampling_params import (
+    NO_SEED,
+    NULLABLE,
+    SamplingParams,
+    SamplingParamsError,
+)
 from ec_frontend.entrypoints.errors import APIError
 
 _FIELDS = frozenset(f.name for f in fields(SamplingParams))
-#: Fields for which ``None`` is a value (elsewhere ``None`` means "the default").
-_NULLABLE = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs", "extra_args"})
+_NULLABLE = NULLABLE | {"extra_args"}
 
 
 def build_sampling_params(

@@ -108,7 +108,7 @@ fn lax_bool(s: &str) -> Option<bool> {
 /// `s` without its surrounding whitespace and with the underscores that stand between
 /// two digits removed; `None` when an underscore stands anywhere else (as Python's
 /// number syntax, which pydantic follows).
-fn strip_digit_underscores(s: &str) -> Option<Cow<'_, str>> {
+pub(crate) fn strip_digit_underscores(s: &str) -> Option<Cow<'_, str>> {
     let s = s.trim();
     if !s.contains('_') {
         return Some(Cow::Borrowed(s));

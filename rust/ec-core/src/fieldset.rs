@@ -50,9 +50,11 @@ pub enum F {
     Features,
     ExtraArgs,
     CacheSalt,
+    LogitBias,
+    AllowedTokenIds,
 }
 
-const COUNT: usize = F::CacheSalt as usize + 1;
+const COUNT: usize = F::AllowedTokenIds as usize + 1;
 
 impl F {
     /// The field of a key, on any endpoint.
@@ -99,6 +101,8 @@ impl F {
             "features" => F::Features,
             "extra_args" => F::ExtraArgs,
             "cache_salt" => F::CacheSalt,
+            "logit_bias" => F::LogitBias,
+            "allowed_token_ids" => F::AllowedTokenIds,
             _ => return None,
         })
     }
@@ -155,6 +159,8 @@ const NAMES: [&str; COUNT] = [
     "features",
     "extra_args",
     "cache_salt",
+    "logit_bias",
+    "allowed_token_ids",
 ];
 
 /// A set of fields.
@@ -200,6 +206,8 @@ pub const SAMPLING: Mask = Mask::of(&[
     F::IgnoreEos,
     F::SkipSpecialTokens,
     F::IncludeStopStrInOutput,
+    F::LogitBias,
+    F::AllowedTokenIds,
 ]);
 
 /// Top-level fields of the OpenAI-style endpoints (chat, completions, responses).
@@ -251,6 +259,7 @@ pub const RESPONSES: Mask = COMMON.union(Mask::of(&[
     F::SkipSpecialTokens,
     F::IncludeStopStrInOutput,
     F::ChatTemplateKwargs,
+    F::LogitBias,
 ]));
 
 /// `/inference/v1/generate` top level.
@@ -356,284 +365,53 @@ const R: u8 = 4;
 /// Fields vLLM 0.33 accepts on chat (C), completions (P) or Responses (R) that are not
 /// applied here, with the value that leaves them harmless and the reason a different
 /// value is refused. docs/compatibility.md lists the same table.
+#[rustfmt::skip]
 const UNSUPPORTED: &[(&str, u8, NoOp, &str)] = &[
-    (
-        "response_format",
-        C | P,
-        NoOp::TextFormat,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "structured_outputs",
-        C | P | R,
-        NoOp::Null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "text",
-        R,
-        NoOp::TextConfig,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "tools",
-        C | R,
-        NoOp::Empty,
-        "tool calling is not supported yet",
-    ),
-    (
-        "tool_choice",
-        C | R,
-        NoOp::ToolChoice,
-        "tool calling is not supported yet",
-    ),
-    (
-        "max_tool_calls",
-        R,
-        NoOp::Null,
-        "tool calling is not supported yet",
-    ),
-    (
-        "reasoning_effort",
-        C,
-        NoOp::Null,
-        "reasoning controls are not supported",
-    ),
-    (
-        "reasoning",
-        R,
-        NoOp::Null,
-        "reasoning controls are not supported",
-    ),
-    (
-        "thinking_token_budget",
-        C | P,
-        NoOp::Null,
-        "reasoning controls are not supported",
-    ),
-    (
-        "logit_bias",
-        C | P | R,
-        NoOp::Empty,
-        "logit_bias is not supported yet",
-    ),
-    (
-        "min_tokens",
-        C | P,
-        NoOp::Int(0),
-        "min_tokens is not supported yet",
-    ),
-    (
-        "allowed_token_ids",
-        C | P,
-        NoOp::Null,
-        "allowed_token_ids is not supported yet",
-    ),
-    (
-        "bad_words",
-        C | P,
-        NoOp::Empty,
-        "bad_words is not supported yet",
-    ),
-    (
-        "logprob_token_ids",
-        C | P,
-        NoOp::Null,
-        "logprobs of chosen token ids are not supported",
-    ),
-    (
-        "truncate_prompt_tokens",
-        C | P,
-        NoOp::Null,
-        "prompt truncation is not supported yet",
-    ),
-    (
-        "truncation_side",
-        C | P,
-        NoOp::Null,
-        "prompt truncation is not supported yet",
-    ),
-    (
-        "truncation",
-        R,
-        NoOp::Str("disabled"),
-        "prompt truncation is not supported yet",
-    ),
-    (
-        "continue_final_message",
-        C,
-        NoOp::False,
-        "continuing the final message is not supported yet",
-    ),
-    (
-        "use_beam_search",
-        C | P,
-        NoOp::False,
-        "beam search is not supported",
-    ),
-    (
-        "watermarking",
-        C | P | R,
-        NoOp::False,
-        "watermarking is not supported",
-    ),
-    (
-        "spaces_between_special_tokens",
-        C | P | R,
-        NoOp::True,
-        "special tokens are always detokenized with spaces between them",
-    ),
-    (
-        "add_special_tokens",
-        C,
-        NoOp::False,
-        "the chat template alone decides the special tokens",
-    ),
-    (
-        "add_special_tokens",
-        P,
-        NoOp::True,
-        "the tokenizer always adds its special tokens",
-    ),
-    (
-        "documents",
-        C,
-        NoOp::Empty,
-        "documents for the chat template are not supported",
-    ),
-    (
-        "chat_template",
-        C,
-        NoOp::Null,
-        "the server's chat template cannot be replaced per request",
-    ),
-    (
-        "media_io_kwargs",
-        C | R,
-        NoOp::Empty,
-        "media loading options are not supported",
-    ),
-    (
-        "priority",
-        C | P | R,
-        NoOp::Int(0),
-        "priority scheduling is not enabled (requests are served first come, first served)",
-    ),
-    (
-        "return_tokens_as_token_ids",
-        C | P,
-        NoOp::False,
-        "token ids as logprob tokens are not supported",
-    ),
-    (
-        "return_token_ids",
-        C | P,
-        NoOp::False,
-        "returning token ids is not supported yet",
-    ),
-    (
-        "return_weight_versions",
-        C | P,
-        NoOp::False,
-        "weight versions are not tracked",
-    ),
-    (
-        "routed_experts_prompt_start",
-        C | P,
-        NoOp::Int(0),
-        "routed experts are not reported",
-    ),
-    (
-        "return_token_offsets",
-        C | P,
-        NoOp::False,
-        "token offsets are not returned",
-    ),
-    (
-        "return_prompt_text",
-        C,
-        NoOp::False,
-        "the prompt text is not returned",
-    ),
-    (
-        "mm_payload",
-        C | P | R,
-        NoOp::Str("tensors"),
-        "multimodal payload options are not supported",
-    ),
-    (
-        "return_mm_kwargs",
-        C | P | R,
-        NoOp::False,
-        "processed multimodal inputs are not returned",
-    ),
-    (
-        "repetition_detection",
-        C | P,
-        NoOp::Null,
-        "repetition detection is not supported",
-    ),
-    (
-        "stream_interval",
-        C | P,
-        NoOp::Int(1),
-        "stream_interval is not supported yet",
-    ),
+    ("response_format", C | P, NoOp::TextFormat, "structured outputs are not supported yet"),
+    ("structured_outputs", C | P | R, NoOp::Null, "structured outputs are not supported yet"),
+    ("text", R, NoOp::TextConfig, "structured outputs are not supported yet"),
+    ("tools", C | R, NoOp::Empty, "tool calling is not supported yet"),
+    ("tool_choice", C | R, NoOp::ToolChoice, "tool calling is not supported yet"),
+    ("max_tool_calls", R, NoOp::Null, "tool calling is not supported yet"),
+    ("reasoning_effort", C, NoOp::Null, "reasoning controls are not supported"),
+    ("reasoning", R, NoOp::Null, "reasoning controls are not supported"),
+    ("thinking_token_budget", C | P, NoOp::Null, "reasoning controls are not supported"),
+    ("min_tokens", C | P, NoOp::Int(0), "min_tokens is not supported yet"),
+    ("bad_words", C | P, NoOp::Empty, "bad_words is not supported yet"),
+    ("logprob_token_ids", C | P, NoOp::Null, "logprobs of chosen token ids are not supported"),
+    ("truncate_prompt_tokens", C | P, NoOp::Null, "prompt truncation is not supported yet"),
+    ("truncation_side", C | P, NoOp::Null, "prompt truncation is not supported yet"),
+    ("truncation", R, NoOp::Str("disabled"), "prompt truncation is not supported yet"),
+    ("continue_final_message", C, NoOp::False, "continuing the final message is not supported yet"),
+    ("use_beam_search", C | P, NoOp::False, "beam search is not supported"),
+    ("watermarking", C | P | R, NoOp::False, "watermarking is not supported"),
+    ("spaces_between_special_tokens", C | P | R, NoOp::True, "special tokens are always detokenized with spaces between them"),
+    ("add_special_tokens", C, NoOp::False, "the chat template alone decides the special tokens"),
+    ("add_special_tokens", P, NoOp::True, "the tokenizer always adds its special tokens"),
+    ("documents", C, NoOp::Empty, "documents for the chat template are not supported"),
+    ("chat_template", C, NoOp::Null, "the server's chat template cannot be replaced per request"),
+    ("media_io_kwargs", C | R, NoOp::Empty, "media loading options are not supported"),
+    ("priority", C | P | R, NoOp::Int(0), "priority scheduling is not enabled (requests are served first come, first served)"),
+    ("return_tokens_as_token_ids", C | P, NoOp::False, "token ids as logprob tokens are not supported"),
+    ("return_token_ids", C | P, NoOp::False, "returning token ids is not supported yet"),
+    ("return_weight_versions", C | P, NoOp::False, "weight versions are not tracked"),
+    ("routed_experts_prompt_start", C | P, NoOp::Int(0), "routed experts are not reported"),
+    ("return_token_offsets", C | P, NoOp::False, "token offsets are not returned"),
+    ("return_prompt_text", C, NoOp::False, "the prompt text is not returned"),
+    ("mm_payload", C | P | R, NoOp::Str("tensors"), "multimodal payload options are not supported"),
+    ("return_mm_kwargs", C | P | R, NoOp::False, "processed multimodal inputs are not returned"),
+    ("repetition_detection", C | P, NoOp::Null, "repetition detection is not supported"),
+    ("stream_interval", C | P, NoOp::Int(1), "stream_interval is not supported yet"),
     ("suffix", P, NoOp::Null, "suffix is not supported"),
-    (
-        "prompt_embeds",
-        P,
-        NoOp::Null,
-        "prompt embeddings are not supported",
-    ),
-    (
-        "background",
-        R,
-        NoOp::False,
-        "background responses are not supported",
-    ),
-    (
-        "include",
-        R,
-        NoOp::Empty,
-        "extra Responses output items are not supported",
-    ),
-    (
-        "previous_response_id",
-        R,
-        NoOp::Null,
-        "responses are not stored",
-    ),
-    (
-        "previous_input_messages",
-        R,
-        NoOp::Null,
-        "responses are not stored",
-    ),
-    (
-        "enable_response_messages",
-        R,
-        NoOp::False,
-        "response messages are not returned",
-    ),
-    (
-        "prompt",
-        R,
-        NoOp::Null,
-        "prompt templates are not supported",
-    ),
-    (
-        "prompt_cache_options",
-        R,
-        NoOp::Null,
-        "prompt cache options are not supported",
-    ),
-    (
-        "prompt_cache_retention",
-        R,
-        NoOp::Null,
-        "prompt cache retention is not supported",
-    ),
+    ("prompt_embeds", P, NoOp::Null, "prompt embeddings are not supported"),
+    ("background", R, NoOp::False, "background responses are not supported"),
+    ("include", R, NoOp::Empty, "extra Responses output items are not supported"),
+    ("previous_response_id", R, NoOp::Null, "responses are not stored"),
+    ("previous_input_messages", R, NoOp::Null, "responses are not stored"),
+    ("enable_response_messages", R, NoOp::False, "response messages are not returned"),
+    ("prompt", R, NoOp::Null, "prompt templates are not supported"),
+    ("prompt_cache_options", R, NoOp::Null, "prompt cache options are not supported"),
+    ("prompt_cache_retention", R, NoOp::Null, "prompt cache retention is not supported"),
 ];
 
 fn harmless(rule: NoOp, v: &Value<'_>) -> bool {

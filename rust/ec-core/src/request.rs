@@ -64,6 +64,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
     pub include_stop_str_in_output: bool,
+    /// `logit_bias`: (token id, bias clamped to [-100, 100]) in request order; a
+    /// repeated id keeps its last bias.
+    pub logit_bias: Option<Vec<(u32, f64)>>,
+    /// `allowed_token_ids`: sampling is restricted to these (never empty).
+    pub allowed_token_ids: Option<Vec<u32>>,
     /// The merged `vllm_xargs` (with `kv_transfer_params` / `ec_transfer_params`).
     pub extra_args: Option<OwnedValue>,
 }
@@ -88,6 +93,8 @@ impl Default for SamplingParams {
             ignore_eos: false,
             skip_special_tokens: true,
             include_stop_str_in_output: false,
+            logit_bias: None,
+            allowed_token_ids: None,
             extra_args: None,
         }
     }

@@ -2,8 +2,8 @@
 
 use crate::error::Result;
 use crate::fields::{
-    array, boolean, integer, integer_in, number_in, object, present, string, token_id, type_error,
-    value_error,
+    array, boolean, integer, integer_in, number, number_in, object, present, string,
+    strip_digit_underscores, token_id, type_error, value_error,
 };
 use crate::fieldset::{Fields, F};
 use crate::path::{Path, ROOT};
@@ -113,18 +113,24 @@ pub fn sampling_params(
         p.stop = stop_list(v, &at.key("stop"))?;
     }
     if let Some(v) = fields.get(F::StopTokenIds) {
-        let path = at.key("stop_token_ids");
-        p.stop_token_ids = array(v, &path)?
-            .iter()
-            .enumerate()
-            .map(|(i, t)| token_id(t, &path.index(i)))
-            .collect::<Result<_>>()?;
+        p.stop_token_ids = token_ids(v, &at.key("stop_token_ids"))?;
     }
     if p.temperature < GREEDY_EPS {
         // Greedy decoding: vLLM's SamplingParams switches the truncations off.
         p.top_p = 1.0;
         p.top_k = 0;
         p.min_p = 0.0;
+    }
+    if let Some(v) = fields.get(F::LogitBias) {
+        p.logit_bias = Some(logit_bias(v, &at.key("logit_bias"))?);
+    }
+    if let Some(v) = fields.get(F::AllowedTokenIds) {
+        let path = at.key("allowed_token_ids");
+        let ids = token_ids(v, &path)?;
+        if ids.is_empty() {
+            return Err(value_error(&path, "'allowed_token_ids' must not be empty"));
+        }
+        p.allowed_token_ids = Some(ids);
     }
     p.ignore_eos = opt_bool(fields, F::IgnoreEos, at, false)?;
     p.skip_special_tokens = opt_bool(fields, F::SkipSpecialTokens, at, true)?;
@@ -169,6 +175,47 @@ pub fn sampling_params(
         None => None,
     };
     Ok(p)
+}
+
+fn token_ids(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<u32>> {
+    array(v, path)?
+        .iter()
+        .enumerate()
+        .map(|(i, t)| token_id(t, &path.index(i)))
+        .collect()
+}
+
+/// Largest bias magnitude; vLLM clamps a bias to `[-100, 100]`.
+pub const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// `logit_bias`: an object from token id strings (as Python's `int()` reads them) to
+/// numbers, each bias clamped as vLLM clamps it.
+fn logit_bias(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<(u32, f64)>> {
+    object(v, path)?
+        .iter()
+        .map(|(key, bias)| {
+            let at = path.key(key);
+            let id = strip_digit_underscores(key)
+                .and_then(|k| k.parse::<i64>().ok())
+                .ok_or_else(|| {
+                    value_error(
+                        path,
+                        format!("'{path}' has a key that is not an integer token id: {key:?}"),
+                    )
+                })?;
+            if !(0..=i64::from(i32::MAX)).contains(&id) {
+                return Err(value_error(
+                    path,
+                    format!("'{path}' has a token id outside the vocabulary: {id}"),
+                ));
+            }
+            let bias = number(bias, &at)?;
+            if bias.is_nan() {
+                return Err(value_error(&at, format!("'{at}' must be a number")));
+            }
+            Ok((id as u32, bias.clamp(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
+        })
+        .collect()
 }
 
 /// Most stop strings in a list (OpenAI's limit, which vLLM enforces too).

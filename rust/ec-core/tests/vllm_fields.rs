@@ -155,11 +155,8 @@ fn unapplied_vllm_fields_are_refused_by_name() {
         (Endpoint::Chat, "tool_choice", r#""required""#),
         (Endpoint::Chat, "tool_choice", r#"{"type":"function","function":{"name":"f"}}"#),
         (Endpoint::Responses, "tool_choice", r#""required""#),
-        (Endpoint::Chat, "logit_bias", r#"{"5":10}"#),
-        (Endpoint::Completions, "logit_bias", r#"{"5":-100}"#),
         (Endpoint::Chat, "min_tokens", "3"),
         (Endpoint::Completions, "min_tokens", r#""3""#),
-        (Endpoint::Chat, "allowed_token_ids", "[1,2]"),
         (Endpoint::Completions, "bad_words", r#"["x"]"#),
         (Endpoint::Chat, "truncate_prompt_tokens", "10"),
         (Endpoint::Chat, "continue_final_message", "true"),
@@ -190,7 +187,6 @@ fn unapplied_vllm_fields_are_refused_by_name() {
         (Endpoint::Chat, "tool_choice", r#""none""#),
         (Endpoint::Chat, "tool_choice", r#""auto""#),
         (Endpoint::Responses, "tool_choice", r#""auto""#),
-        (Endpoint::Chat, "logit_bias", "{}"),
         (Endpoint::Chat, "min_tokens", "0"),
         (Endpoint::Chat, "min_tokens", r#""0""#),
         (Endpoint::Chat, "bad_words", "[]"),
@@ -222,5 +218,41 @@ fn unapplied_vllm_fields_are_refused_by_name() {
     for (endpoint, field, value) in harmless {
         let b = body(endpoint, field, value);
         ok(endpoint, &b);
+    }
+}
+
+#[test]
+fn logit_bias_and_allowed_token_ids_are_read_as_vllm_reads_them() {
+    #[rustfmt::skip]
+    let rows: Vec<(Endpoint, String, &str, serde_json::Value)> = vec![
+        (Endpoint::Chat, chat(r#""logit_bias":{"5":10," 7 ":"-3.5","1_0":true,"8":250,"9":-1e9}"#), "/sampling/logit_bias", json!([[5, 10.0], [7, -3.5], [10, 1.0], [8, 100.0], [9, -100.0]])),
+        (Endpoint::Chat, chat(r#""logit_bias":{}"#), "/sampling/logit_bias", json!([])),
+        (Endpoint::Chat, chat(r#""logit_bias":null"#), "/sampling/logit_bias", json!(null)),
+        (Endpoint::Completions, r#"{"prompt":"x","logit_bias":{"+3":1}}"#.into(), "/sampling/logit_bias", json!([[3, 1.0]])),
+        (Endpoint::Responses, r#"{"input":"x","logit_bias":{"3":1}}"#.into(), "/sampling/logit_bias", json!([[3, 1.0]])),
+        (Endpoint::Generate, r#"{"token_ids":[1],"sampling_params":{"logit_bias":{"3":1},"allowed_token_ids":[4]}}"#.into(), "/sampling/allowed_token_ids", json!([4])),
+        (Endpoint::Chat, chat(r#""allowed_token_ids":["3",4.0,true]"#), "/sampling/allowed_token_ids", json!([3, 4, 1])),
+        (Endpoint::Completions, r#"{"prompt":"x","allowed_token_ids":[2]}"#.into(), "/sampling/allowed_token_ids", json!([2])),
+    ];
+    for (endpoint, body, pointer, want) in rows {
+        let got = json(&ok(endpoint, &body));
+        assert_eq!(got.pointer(pointer), Some(&want), "{body}");
+    }
+    #[rustfmt::skip]
+    let refused: Vec<(Endpoint, String, &str)> = vec![
+        (Endpoint::Chat, chat(r#""logit_bias":{"x":1}"#), "logit_bias"),
+        (Endpoint::Chat, chat(r#""logit_bias":{"5.0":1}"#), "logit_bias"),
+        (Endpoint::Chat, chat(r#""logit_bias":{"1__0":1}"#), "logit_bias"),
+        (Endpoint::Chat, chat(r#""logit_bias":{"-1":1}"#), "logit_bias"),
+        (Endpoint::Chat, chat(r#""logit_bias":{"99999999999":1}"#), "logit_bias"),
+        (Endpoint::Chat, chat(r#""logit_bias":{"5":"much"}"#), "logit_bias.5"),
+        (Endpoint::Chat, chat(r#""logit_bias":[1]"#), "logit_bias"),
+        (Endpoint::Chat, chat(r#""allowed_token_ids":[]"#), "allowed_token_ids"),
+        (Endpoint::Chat, chat(r#""allowed_token_ids":[-1]"#), "allowed_token_ids[0]"),
+        (Endpoint::Chat, chat(r#""allowed_token_ids":3"#), "allowed_token_ids"),
+    ];
+    for (endpoint, body, param) in refused {
+        let err = parse(endpoint, &body).expect_err(&body);
+        assert_eq!(err.param(), Some(param), "{body}: {err:?}");
     }
 }

@@ -268,6 +268,21 @@ fn sampling_to_py<'py>(py: Python<'py>, s: &SamplingParams) -> PyResult<Bound<'p
         intern!(py, "include_stop_str_in_output"),
         s.include_stop_str_in_output,
     )?;
+    let logit_bias = match &s.logit_bias {
+        Some(pairs) => {
+            let bias = PyDict::new(py);
+            for (id, b) in pairs {
+                bias.set_item(id, b)?;
+            }
+            Some(bias)
+        }
+        None => None,
+    };
+    d.set_item(intern!(py, "logit_bias"), logit_bias)?;
+    d.set_item(
+        intern!(py, "allowed_token_ids"),
+        s.allowed_token_ids.as_ref(),
+    )?;
     d.set_item(
         intern!(py, "extra_args"),
         opt_value_to_py(py, s.extra_args.as_ref())?,
