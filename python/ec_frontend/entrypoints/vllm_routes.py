@@ -263,9 +263,14 @@ def register(api: FastAPI, app: App) -> VLLMRoutes:
         "/detokenize", routes.detokenize, methods=["POST"], summary="Token ids to text"
     )
     api.add_api_route("/version", routes.version, methods=["GET"], summary="Server version")
-    api.add_api_route(
-        "/ping", routes.ping, methods=["GET", "POST"], summary="Liveness (as /health)"
-    )
+    for method in ("GET", "POST"):
+        api.add_api_route(
+            "/ping",
+            routes.ping,
+            methods=[method],
+            summary="Liveness (as /health)",
+            operation_id=f"ping_{method.lower()}",
+        )
     api.add_api_route(
         "/inference/v1/abort_requests",
         routes.abort_requests,
