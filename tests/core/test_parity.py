@@ -50,6 +50,7 @@ CHOICES: dict[str, list[Any]] = {
         {"-1": 1},
     ],
     "allowed_token_ids": [None, [1, 2], [], ["3", 4.0], [-1]],
+    "min_tokens": [0, 2, "3", -1, 500],
     "vllm_xargs": [None, {}, {"a": 1}, {"kv_transfer_params": "old", "b": [1]}],
     "kv_transfer_params": [None, {}, {"do_remote_decode": True}],
     "ec_transfer_params": [None, {}, {"ab12": {"peer_port": 5501}}],
@@ -87,7 +88,7 @@ def _generated(count: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-CORPUS = HANDWRITTEN + _generated(800, seed=20261129)
+CORPUS = HANDWRITTEN + _generated(1000, seed=20261129)
 
 
 def _ours(body: bytes) -> dict[str, Any] | None:

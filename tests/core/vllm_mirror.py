@@ -108,6 +108,7 @@ class ChatCompletionRequest(BaseModel):
     vllm_xargs: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    min_tokens: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -164,6 +165,7 @@ class ChatCompletionRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": _logit_bias(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids,
+            "min_tokens": self.min_tokens,
             "extra_args": self._extra_args(),
         }
         _verify(params)
@@ -206,6 +208,11 @@ def _verify(p: dict[str, Any]) -> None:
         (all(0 <= t < 2**31 for t in p["stop_token_ids"]), "stop_token_ids out of range"),
         (all(0 <= t < 2**31 for t in p["logit_bias"] or ()), "logit_bias ids out of range"),
         (p["allowed_token_ids"] != [], "allowed_token_ids must not be empty"),
+        (p["min_tokens"] >= 0, "min_tokens must be at least 0"),
+        (
+            p["max_tokens"] is None or p["min_tokens"] <= p["max_tokens"],
+            "min_tokens must be at most max_tokens",
+        ),
         (
             all(0 <= t < 2**31 for t in p["allowed_token_ids"] or ()),
             "allowed_token_ids out of range",

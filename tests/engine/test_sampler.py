@@ -113,3 +113,17 @@ def test_logprobs_are_those_before_the_bias() -> None:
     assert lp is not None
     assert lp.logprob == pytest.approx(float(raw[4]))
     assert lp.top[0][0] == 1
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids() -> None:
+    def pick(out: tuple[int, ...], eos: tuple[int, ...] = (1,), **kw: Any) -> int:
+        r = SamplingRow(SamplingParams(temperature=0.0, **kw), None, [0], list(out), eos)
+        return Sampler()(LOGITS, [r])[0][0]
+
+    assert pick((), min_tokens=0) == 1
+    assert pick((), min_tokens=2) == 3
+    assert pick((5,), min_tokens=2) == 3
+    assert pick((5, 5), min_tokens=2) == 1
+    assert pick((), min_tokens=2, stop_token_ids=[3]) == 2
+    assert pick((), min_tokens=2, ignore_eos=True) == 1
+    assert pick((), eos=(), min_tokens=2) == 1

@@ -3,8 +3,9 @@ strings or bools are coerced as vLLM's pydantic models do, and every field vLLM
 applies that this server does not is a 400 naming it (never silently dropped).
 
 The mock engine generates the prompt's characters, cycled, so a coerced
-``max_tokens`` or ``n`` shows in the output exactly; ``logit_bias`` and
-``allowed_token_ids`` are checked on the built-in model, whose sampler applies them.
+``max_tokens`` or ``n`` shows in the output exactly; ``logit_bias``,
+``allowed_token_ids`` and ``min_tokens`` are checked on the built-in model, whose
+sampler applies them.
 """
 
 from __future__ import annotations
@@ -96,7 +97,6 @@ UNSUPPORTED = [
         "tools",
     ),
     ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
-    ("/v1/chat/completions", chat(min_tokens=3), "min_tokens"),
     ("/v1/chat/completions", chat(continue_final_message=True), "continue_final_message"),
     ("/v1/chat/completions", chat(priority=1), "priority"),
     ("/v1/chat/completions", chat(echo=True), "echo"),
@@ -218,3 +218,42 @@ def test_token_ids_outside_the_vocabulary_are_400(model_server: ServerProcess, f
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
     assert httpx.get(model_server.url + "/health").status_code == 200
+
+
+def _generate(server: ServerProcess, **sampling: Any) -> dict[str, Any]:
+    body = {
+        "model": MODEL_NAME,
+        "token_ids": [1, 2, 3, 4, 5],
+        "sampling_params": {"temperature": 0, "max_tokens": 8, **sampling},
+    }
+    r = post(server, "/inference/v1/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_min_tokens_holds_back_stop_token_ids(model_server: ServerProcess) -> None:
+    first = _generate(model_server)["token_ids"][0]
+    stopped = _generate(model_server, stop_token_ids=[first])
+    assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
+    held = _generate(model_server, stop_token_ids=[first], min_tokens="4")
+    assert len(held["token_ids"]) >= 4
+    assert first not in held["token_ids"][:4]
+
+
+def test_min_tokens_holds_back_stop_strings(model_server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    plain = post(model_server, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]
+    stop = next(t for t in plain["logprobs"]["tokens"] if t.strip())
+    cut = post(model_server, "/v1/completions", {**body, "stop": [stop]}).json()
+    assert cut["usage"]["completion_tokens"] < 8
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    r = post(model_server, "/v1/completions", {**body, "stop": [stop], "min_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_min_tokens_over_max_tokens_is_400(model_server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "min_tokens": 3}
+    r = post(model_server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "min_tokens"

@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._stopped = False
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._num_output = 0
 
     def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
         """Append tokens; returns the stop string that matched, if any.
@@ -46,6 +47,7 @@ class IncrementalDetokenizer:
             if self._stopped:
                 return None
             self._ids.append(token)
+            self._num_output += 1
             stop = self._advance(final=False)
             if stop is not None:
                 return stop
@@ -79,7 +81,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self, checked: int) -> str | None:
-        if not self.params.stop:
+        # As vLLM: stop strings count only once more than min_tokens tokens are out.
+        if not self.params.stop or self._num_output <= self.params.min_tokens:
             return None
         best: tuple[int, str] | None = None
         for stop in self.params.stop:

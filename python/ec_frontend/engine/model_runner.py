@@ -297,4 +297,10 @@ class ModelRunner:
             if generator is None:
                 generator = make_generator(params.seed, self.model.device)
                 self._generators[request.request_id] = generator
-        return SamplingRow(params, generator, request.prompt_token_ids, request.output_token_ids)
+        return SamplingRow(
+            params,
+            generator,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            request.eos_token_ids,
+        )

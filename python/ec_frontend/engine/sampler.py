@@ -10,7 +10,7 @@ distribution (before penalties and temperature), as in vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +21,26 @@ from ec_frontend.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of the batch: its params, generator and token history."""
+    """One row of the batch: its params, generator and token history.
+
+    ``eos_token_ids`` are masked, with ``stop_token_ids``, until the row has
+    ``min_tokens`` output tokens (unless ``ignore_eos``).
+    """
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    eos_token_ids: Collection[int] = ()
+
+    @property
+    def stop_ids_masked(self) -> list[int]:
+        """Token ids this step must not produce because of ``min_tokens``."""
+        params = self.params
+        if len(self.output_token_ids) >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else list(self.eos_token_ids)
+        return eos + list(params.stop_token_ids)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -54,7 +68,10 @@ class Sampler:
                 if row.params.has_penalties:
                     _apply_penalties(logits[i], row)
 
-        if any(r.params.logit_bias or r.params.allowed_token_ids is not None for r in rows):
+        if any(
+            r.params.logit_bias or r.params.allowed_token_ids is not None or r.stop_ids_masked
+            for r in rows
+        ):
             logits = _apply_token_masks(logits, rows)
 
         greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
@@ -108,8 +125,9 @@ class Sampler:
 
 
 def _apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """``logit_bias`` added and tokens outside ``allowed_token_ids`` set to ``-inf``,
-    for the whole batch in two indexed writes (a new tensor; ``logits`` is kept)."""
+    """``logit_bias`` added, then tokens outside ``allowed_token_ids`` and the stop
+    tokens ``min_tokens`` holds back set to ``-inf``, for the whole batch in three
+    indexed writes (a new tensor; ``logits`` is kept)."""
     vocab = logits.shape[-1]
     bias_rows: list[int] = []
     bias_cols: list[int] = []
@@ -117,6 +135,8 @@ def _apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
     restricted: list[int] = []
     allowed_rows: list[int] = []
     allowed_cols: list[int] = []
+    held_rows: list[int] = []
+    held_cols: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
         for tok, value in (params.logit_bias or {}).items():
@@ -129,6 +149,9 @@ def _apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
             ids = [t for t in params.allowed_token_ids if t < vocab]
             allowed_rows.extend([i] * len(ids))
             allowed_cols.extend(ids)
+        held = [t for t in row.stop_ids_masked if t < vocab]
+        held_rows.extend([i] * len(held))
+        held_cols.extend(held)
     device = logits.device
     out = logits.clone()
     if bias_rows:
@@ -144,6 +167,9 @@ def _apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
             torch.tensor(allowed_cols, dtype=torch.int64, device=device),
         ] = False
         out = out.masked_fill(blocked, float("-inf"))
+    if held_rows:
+        index = (torch.tensor(held_rows, device=device), torch.tensor(held_cols, device=device))
+        out.index_put_(index, torch.tensor(float("-inf"), dtype=out.dtype, device=device))
     return out
 
 

@@ -65,6 +65,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     #: Sampling picks among these token ids only.
     allowed_token_ids: list[int] | None = None
+    #: No end of sequence, stop token or stop string before this many tokens.
+    min_tokens: int = 0
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -133,6 +135,11 @@ class SamplingParams:
             raise SamplingParamsError("stop strings must not be empty", "stop")
         for i, tok in enumerate(self.stop_token_ids):
             _check_int(tok, f"stop_token_ids[{i}]", minimum=0)
+        _check_int(self.min_tokens, "min_tokens", minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                f"min_tokens must be at most max_tokens ({self.max_tokens})", "min_tokens"
+            )
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _check_int(tok, "logit_bias", minimum=0)

@@ -52,9 +52,10 @@ pub enum F {
     CacheSalt,
     LogitBias,
     AllowedTokenIds,
+    MinTokens,
 }
 
-const COUNT: usize = F::AllowedTokenIds as usize + 1;
+const COUNT: usize = F::MinTokens as usize + 1;
 
 impl F {
     /// The field of a key, on any endpoint.
@@ -103,6 +104,7 @@ impl F {
             "cache_salt" => F::CacheSalt,
             "logit_bias" => F::LogitBias,
             "allowed_token_ids" => F::AllowedTokenIds,
+            "min_tokens" => F::MinTokens,
             _ => return None,
         })
     }
@@ -161,6 +163,7 @@ const NAMES: [&str; COUNT] = [
     "cache_salt",
     "logit_bias",
     "allowed_token_ids",
+    "min_tokens",
 ];
 
 /// A set of fields.
@@ -208,6 +211,7 @@ pub const SAMPLING: Mask = Mask::of(&[
     F::IncludeStopStrInOutput,
     F::LogitBias,
     F::AllowedTokenIds,
+    F::MinTokens,
 ]);
 
 /// Top-level fields of the OpenAI-style endpoints (chat, completions, responses).
@@ -376,7 +380,6 @@ const UNSUPPORTED: &[(&str, u8, NoOp, &str)] = &[
     ("reasoning_effort", C, NoOp::Null, "reasoning controls are not supported"),
     ("reasoning", R, NoOp::Null, "reasoning controls are not supported"),
     ("thinking_token_budget", C | P, NoOp::Null, "reasoning controls are not supported"),
-    ("min_tokens", C | P, NoOp::Int(0), "min_tokens is not supported yet"),
     ("bad_words", C | P, NoOp::Empty, "bad_words is not supported yet"),
     ("logprob_token_ids", C | P, NoOp::Null, "logprobs of chosen token ids are not supported"),
     ("truncate_prompt_tokens", C | P, NoOp::Null, "prompt truncation is not supported yet"),

@@ -69,6 +69,8 @@ pub struct SamplingParams {
     pub logit_bias: Option<Vec<(u32, f64)>>,
     /// `allowed_token_ids`: sampling is restricted to these (never empty).
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// No end of sequence, stop token or stop string before this many tokens.
+    pub min_tokens: u64,
     /// The merged `vllm_xargs` (with `kv_transfer_params` / `ec_transfer_params`).
     pub extra_args: Option<OwnedValue>,
 }
@@ -95,6 +97,7 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             logit_bias: None,
             allowed_token_ids: None,
+            min_tokens: 0,
             extra_args: None,
         }
     }

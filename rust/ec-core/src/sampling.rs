@@ -121,6 +121,20 @@ pub fn sampling_params(
         p.top_k = 0;
         p.min_p = 0.0;
     }
+    if let Some(v) = fields.get(F::MinTokens) {
+        let path = at.key("min_tokens");
+        let min = integer_in(v, &path, 0, i64::MAX)? as u64;
+        if p.max_tokens.is_some_and(|max| min > max) {
+            return Err(value_error(
+                &path,
+                format!(
+                    "'min_tokens' must be less than or equal to 'max_tokens' ({}), got {min}",
+                    p.max_tokens.unwrap_or_default()
+                ),
+            ));
+        }
+        p.min_tokens = min;
+    }
     if let Some(v) = fields.get(F::LogitBias) {
         p.logit_bias = Some(logit_bias(v, &at.key("logit_bias"))?);
     }

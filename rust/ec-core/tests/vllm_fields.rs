@@ -155,8 +155,6 @@ fn unapplied_vllm_fields_are_refused_by_name() {
         (Endpoint::Chat, "tool_choice", r#""required""#),
         (Endpoint::Chat, "tool_choice", r#"{"type":"function","function":{"name":"f"}}"#),
         (Endpoint::Responses, "tool_choice", r#""required""#),
-        (Endpoint::Chat, "min_tokens", "3"),
-        (Endpoint::Completions, "min_tokens", r#""3""#),
         (Endpoint::Completions, "bad_words", r#"["x"]"#),
         (Endpoint::Chat, "truncate_prompt_tokens", "10"),
         (Endpoint::Chat, "continue_final_message", "true"),
@@ -187,8 +185,6 @@ fn unapplied_vllm_fields_are_refused_by_name() {
         (Endpoint::Chat, "tool_choice", r#""none""#),
         (Endpoint::Chat, "tool_choice", r#""auto""#),
         (Endpoint::Responses, "tool_choice", r#""auto""#),
-        (Endpoint::Chat, "min_tokens", "0"),
-        (Endpoint::Chat, "min_tokens", r#""0""#),
         (Endpoint::Chat, "bad_words", "[]"),
         (Endpoint::Chat, "continue_final_message", "false"),
         (Endpoint::Chat, "priority", "0"),
@@ -222,7 +218,7 @@ fn unapplied_vllm_fields_are_refused_by_name() {
 }
 
 #[test]
-fn logit_bias_and_allowed_token_ids_are_read_as_vllm_reads_them() {
+fn logit_bias_allowed_token_ids_and_min_tokens_are_read_as_vllm_reads_them() {
     #[rustfmt::skip]
     let rows: Vec<(Endpoint, String, &str, serde_json::Value)> = vec![
         (Endpoint::Chat, chat(r#""logit_bias":{"5":10," 7 ":"-3.5","1_0":true,"8":250,"9":-1e9}"#), "/sampling/logit_bias", json!([[5, 10.0], [7, -3.5], [10, 1.0], [8, 100.0], [9, -100.0]])),
@@ -232,6 +228,10 @@ fn logit_bias_and_allowed_token_ids_are_read_as_vllm_reads_them() {
         (Endpoint::Responses, r#"{"input":"x","logit_bias":{"3":1}}"#.into(), "/sampling/logit_bias", json!([[3, 1.0]])),
         (Endpoint::Generate, r#"{"token_ids":[1],"sampling_params":{"logit_bias":{"3":1},"allowed_token_ids":[4]}}"#.into(), "/sampling/allowed_token_ids", json!([4])),
         (Endpoint::Chat, chat(r#""allowed_token_ids":["3",4.0,true]"#), "/sampling/allowed_token_ids", json!([3, 4, 1])),
+        (Endpoint::Chat, chat(r#""min_tokens":"3""#), "/sampling/min_tokens", json!(3)),
+        (Endpoint::Chat, chat(r#""min_tokens":5,"max_tokens":5"#), "/sampling/min_tokens", json!(5)),
+        (Endpoint::Completions, r#"{"prompt":"x","min_tokens":16}"#.into(), "/sampling/min_tokens", json!(16)),
+        (Endpoint::Generate, r#"{"token_ids":[1],"sampling_params":{"min_tokens":2}}"#.into(), "/sampling/min_tokens", json!(2)),
         (Endpoint::Completions, r#"{"prompt":"x","allowed_token_ids":[2]}"#.into(), "/sampling/allowed_token_ids", json!([2])),
     ];
     for (endpoint, body, pointer, want) in rows {
@@ -250,6 +250,9 @@ fn logit_bias_and_allowed_token_ids_are_read_as_vllm_reads_them() {
         (Endpoint::Chat, chat(r#""allowed_token_ids":[]"#), "allowed_token_ids"),
         (Endpoint::Chat, chat(r#""allowed_token_ids":[-1]"#), "allowed_token_ids[0]"),
         (Endpoint::Chat, chat(r#""allowed_token_ids":3"#), "allowed_token_ids"),
+        (Endpoint::Chat, chat(r#""min_tokens":-1"#), "min_tokens"),
+        (Endpoint::Chat, chat(r#""min_tokens":6,"max_completion_tokens":5"#), "min_tokens"),
+        (Endpoint::Completions, r#"{"prompt":"x","min_tokens":17}"#.into(), "min_tokens"),
     ];
     for (endpoint, body, param) in refused {
         let err = parse(endpoint, &body).expect_err(&body);

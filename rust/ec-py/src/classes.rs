@@ -283,6 +283,7 @@ fn sampling_to_py<'py>(py: Python<'py>, s: &SamplingParams) -> PyResult<Bound<'p
         intern!(py, "allowed_token_ids"),
         s.allowed_token_ids.as_ref(),
     )?;
+    d.set_item(intern!(py, "min_tokens"), s.min_tokens)?;
     d.set_item(
         intern!(py, "extra_args"),
         opt_value_to_py(py, s.extra_args.as_ref())?,
