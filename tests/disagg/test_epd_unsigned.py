@@ -12,9 +12,10 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import Proc, free_port, start_all
 from .conftest import messages, proxy, serve, side_channel_ec, side_channel_kv
 from .test_epd import CASES, assert_same, chat, fresh_images
 
@@ -82,3 +83,28 @@ def test_unsigned_flows_recompute_nothing(dep: dict[str, Proc], topology: str) -
         assert delta("d", "prompt_tokens_computed_total") <= 2
         assert delta("d", "kv_tokens_received_total") > 0
         assert delta("d", "transfer_params_rejected_total") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_unverified_kv_peer_that_fails_is_the_requests_own_error(
+    dep: dict[str, Proc], stream: bool
+) -> None:
+    """Without a secret, params naming a loopback peer that cannot serve the KV are a 400."""
+    ids = [2, 7, 1, 8, 2, 8]
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0},
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    r = httpx.post(dep["pd"].url + "/inference/v1/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    kv = {**r.json()["kv_transfer_params"], "remote_port": free_port()}
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 4, "temperature": 0},
+            "kv_transfer_params": kv, "stream": stream}  # fmt: skip
+    r = httpx.post(dep["d"].url + "/inference/v1/generate", json=body, timeout=60)
+    if stream:
+        assert r.status_code == 200
+        assert '"code":"kv_transfer_failed"' in r.text and '"param":"kv_transfer_params"' in r.text
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("kv_transfer_failed", "kv_transfer_params")
+        assert "unverified kv_transfer_params" in error["message"]
+    assert httpx.get(dep["d"].url + "/health").status_code == 200

@@ -242,9 +242,13 @@ def test_prefill_killed_after_answering_decode_errors_cleanly(
     if stream:
         assert r.status_code == 200
         assert "KV transfer from the prefill instance" in r.text
+        assert '"code":"kv_transfer_failed"' in r.text
     else:
-        assert r.status_code == 500
-        assert "KV transfer from the prefill instance" in r.json()["error"]["message"]
+        # Signed params: a trusted prefill instance failed, so the decode instance is a gateway.
+        assert r.status_code == 502
+        error = r.json()["error"]
+        assert "KV transfer from the prefill instance" in error["message"]
+        assert error["code"] == "kv_transfer_failed"
     assert httpx.get(d.url + "/health").status_code == 200
 
 

@@ -373,9 +373,12 @@ class KVSideChannelConnector(KVConnectorBase):
                 result = KVLoadResult()
             else:
                 remote = load.remote
+                # Without a secret, the params may have come from a client: its own input
+                # failed (400). Signed params came from a trusted prefill that failed (502).
+                origin = "signed" if self.config.trust.secret else "unverified"
                 result = KVLoadResult(
                     error=f"KV transfer from the prefill instance {remote.host}:{remote.port} "
-                    f"failed: {error}"
+                    f"({origin} kv_transfer_params) failed: {error}"
                 )
                 logger.warning("request %s: %s", rid, result.error)
             with state.lock:

@@ -29,6 +29,7 @@ _TYPES: dict[int, str] = {
     431: "invalid_request_error",
     499: "invalid_request_error",
     500: "internal_error",
+    502: "upstream_error",
     503: "service_unavailable_error",
 }
 
@@ -90,3 +91,22 @@ def error_response(exc: BaseException) -> Response:
         media_type="application/json",
         headers=err.headers,
     )
+
+
+#: Engine failures of one request that its own input caused (answered 400, not 500).
+_INPUT_FAILURES: tuple[str, ...] = ("media item ", "prompt token id ", "the prompt ")
+
+
+#: A KV pull that failed; the connector says whether a transfer secret vouched for the params.
+_KV_PULL_FAILURE = "KV transfer from the prefill instance "
+
+
+def engine_failure(message: str) -> APIError:
+    """The HTTP error for an engine request that failed alone with ``message``."""
+    if message.startswith(_INPUT_FAILURES):
+        return APIError(400, f"the engine cannot serve this input: {message}", code="invalid_input")
+    if message.startswith(_KV_PULL_FAILURE):
+        if "(signed kv_transfer_params)" in message:
+            return APIError(502, message, code="kv_transfer_failed")
+        return APIError(400, message, code="kv_transfer_failed", param="kv_transfer_params")
+    return APIError(500, f"engine error: {message}", code="engine_error")

@@ -15,7 +15,7 @@ import orjson
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.context import DONE, RequestContext, sse, token_text
-from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.entrypoints.errors import engine_failure, error_body
 from ec_frontend.entrypoints.jobs import Choice, Job, first_param, usage
 from ec_frontend.entrypoints.serving import Serving
 
@@ -131,7 +131,9 @@ def completion_body(
 
 
 def stream_error(message: str) -> bytes:
-    return b"data: " + error_body(500, message, None, "engine_error") + b"\n\n"
+    """An SSE error event for a request the engine failed, classified as its response would be."""
+    e = engine_failure(message)
+    return b"data: " + error_body(e.status, e.message, e.param, e.code) + b"\n\n"
 
 
 async def _stream(

@@ -19,7 +19,7 @@ import orjson
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.context import DONE, RequestContext, sse_event
-from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.entrypoints.errors import engine_failure, error_body
 from ec_frontend.entrypoints.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.serving import Serving
 
@@ -135,7 +135,8 @@ async def response_stream(
     final: Choice | None = None
     async for c, out in serving.stream(jobs, ctx.started):
         if c.error is not None:
-            body = orjson.loads(error_body(500, c.error, None, "engine_error"))["error"]
+            e = engine_failure(c.error)
+            body = orjson.loads(error_body(e.status, e.message, e.param, e.code))["error"]
             yield event("error", body)
             yield DONE
             return

@@ -30,7 +30,13 @@ from starlette.responses import Response, StreamingResponse
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
 from ec_frontend.entrypoints import openapi_docs, vllm_routes
 from ec_frontend.entrypoints.context import DONE, RequestContext
-from ec_frontend.entrypoints.errors import APIError, error_body, error_response, to_api_error
+from ec_frontend.entrypoints.errors import (
+    APIError,
+    engine_failure,
+    error_body,
+    error_response,
+    to_api_error,
+)
 from ec_frontend.entrypoints.generate_api import generate_body, generate_stream
 from ec_frontend.entrypoints.http_middleware import FrontMiddleware, FrontState
 from ec_frontend.entrypoints.jobs import Choice, Job, usage
@@ -42,7 +48,7 @@ from ec_frontend.entrypoints.openai_format import (
     completion_stream,
 )
 from ec_frontend.entrypoints.responses_api import response_body, response_stream
-from ec_frontend.entrypoints.serving import Serving, ServingConfig, engine_failure
+from ec_frontend.entrypoints.serving import Serving, ServingConfig
 from ec_frontend.metrics import ServerMetrics, render
 
 T = TypeVar("T")

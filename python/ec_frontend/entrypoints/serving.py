@@ -59,15 +59,6 @@ class ServingConfig:
 
 #: The request field that an input error with this code is about.
 _PARAM_OF_CODE = {"invalid_processor_kwargs": "mm_processor_kwargs", "invalid_features": "features"}
-#: Engine failures of one request that its own input caused (answered 400, not 500).
-_INPUT_FAILURES: tuple[str, ...] = ("media item ", "prompt token id ", "the prompt ")
-
-
-def engine_failure(message: str) -> APIError:
-    """The HTTP error for an engine request that failed alone with ``message``."""
-    if message.startswith(_INPUT_FAILURES):
-        return APIError(400, f"the engine cannot serve this input: {message}", code="invalid_input")
-    return APIError(500, f"engine error: {message}", code="engine_error")
 
 
 class Serving:
