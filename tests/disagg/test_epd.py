@@ -328,9 +328,12 @@ def test_params_are_consumed_once_and_prefill_frees_after_the_pull(dep: dict[str
         "kv_transfer_params": resign("kv", kv["remote_request_id"], kv),
     }
     again = httpx.post(dep["d"].url + "/inference/v1/generate", json=body, timeout=60)
-    assert again.status_code == 500
-    message = again.json()["error"]["message"]
-    assert "KV transfer from the prefill instance" in message and "no such item" in message
+    # Signed params from a trusted prefill that cannot serve them: the decode instance is a gateway.
+    assert again.status_code == 502
+    error = again.json()["error"]
+    assert error["code"] == "kv_transfer_failed"
+    assert "KV transfer from the prefill instance" in error["message"]
+    assert "no such item" in error["message"]
 
 
 @pytest.mark.parametrize(
