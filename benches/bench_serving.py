@@ -143,13 +143,13 @@ async def level(url: str, concurrency: int, num: int, max_tokens: int, img: str)
     }
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+def launch_server(flags: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """``ec-frontend serve FLAGS`` on a free loopback port, once healthy: (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--port", str(port),
-           "--log-level", "warning", "--max-num-seqs", str(max(args.concurrency)),
-           *(["--device", args.device] if args.device else [])]  # fmt: skip
+    cli = [sys.executable, "-m", "ec_frontend.entrypoints.cli"]
+    cmd = [*cli, "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -161,6 +161,13 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    device = ["--device", args.device] if args.device else []
+    return launch_server(
+        ["--log-level", "warning", "--max-num-seqs", str(max(args.concurrency)), *device]
+    )
 
 
 def plot(levels: list[dict[str, Any]], path: Path) -> None:

@@ -27,7 +27,6 @@ import os
 import random
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_serving import launch_server
 from ec_frontend import parse_request
 from ec_frontend.model.builtin import BUILTIN_MODEL_ID
 from PIL import Image
@@ -307,25 +307,6 @@ async def phase(
     }
 
 
-def start_server(extra: list[str]) -> tuple[subprocess.Popen[bytes], str, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--port", str(port),
-           "--log-level", "error", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, port
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clean-s", type=float, default=300)
@@ -336,7 +317,8 @@ def main() -> None:
     args = p.parse_args()
 
     peer = PeerListener()
-    proc, url, port = start_server(CONSUMER_ARGS + args.server_arg)
+    proc, url = launch_server(["--log-level", "error", *CONSUMER_ARGS, *args.server_arg])
+    port = int(url.rsplit(":", 1)[1])
     try:
         warm = asyncio.run(phase(url, port, proc.pid, 20, args.concurrency, 0.0, peer, 0))
         print(f"warm-up: {warm['well_formed_ok']} requests")
