@@ -348,6 +348,8 @@ class CacheConfig:
     :data:`DEFAULT_CPU_KV_CACHE_BYTES` (at least one ``max_model_len`` sequence).
     ``encoder_cache_size`` counts encoder output rows (placeholder tokens).
     ``enforce_eager`` is recorded; no CUDA graphs are captured either way yet.
+    ``enable_prefix_caching`` shares full KV blocks between requests by content
+    (``engine/kv_cache.py``).
     """
 
     block_size: int = 16
@@ -356,6 +358,7 @@ class CacheConfig:
     encoder_cache_size: int = 16384
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive(self.block_size, "block_size")

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ec_frontend.engine.block_hash import extend_block_hashes
 from ec_frontend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
     from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.engine.request import Request
     from ec_frontend.model.interface import VisionLanguageModel
 
 logger = logging.getLogger(__name__)
@@ -174,19 +177,36 @@ def plan_kv_cache(model: VisionLanguageModel, config: EngineConfig) -> KVCachePl
 
 
 class KVCacheManager:
-    """Allocates fixed-size blocks to requests, all or nothing.
+    """Allocates fixed-size blocks to requests, all or nothing, and with
+    ``enable_prefix_caching`` shares full blocks between requests by content.
 
-    Invariants: a block id is either free or in exactly one request's table;
-    ``num_free_blocks + sum(len(table)) == num_blocks - 1``.
+    A block is free (never keyed, or keyed and unreferenced: kept for later hits
+    in least-recently-freed order) or referenced by the tables of ``ref`` live
+    requests. A keyed block holds the KV of the tokens its key names
+    (:mod:`~ec_frontend.engine.block_hash`); a request hitting it takes a
+    reference instead of computing those tokens. New blocks come from never-keyed
+    free blocks first, then from the least recently freed keyed ones, whose keys
+    are dropped (reclaimed under pressure).
+
+    Invariants: ``num_free_blocks + num_used_blocks == num_blocks - 1``; a block's
+    ``ref`` is the number of tables holding it; a key maps to one block and back.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("a KV cache needs at least 2 blocks (one is the null block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(1, num_blocks))
+        self._free_keyed: OrderedDict[int, None] = OrderedDict()
+        self._ref = [0] * num_blocks
+        self._key: list[bytes | None] = [None] * num_blocks
+        self._by_key: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
+        self._num_keyed: dict[str, int] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -195,11 +215,16 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_keyed)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a key (referenced or not)."""
+        return len(self._by_key)
 
     @property
     def usage(self) -> float:
@@ -211,27 +236,109 @@ class KVCacheManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks holding the longest prefix of ``request``'s tokens, never
+        its last token (which must be computed to sample). No side effects."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for key in extend_block_hashes(request, self.block_size, max_blocks)[:max_blocks]:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate(
+        self, request_id: str, num_tokens: int, cached: Sequence[int] = ()
+    ) -> list[int] | None:
         """Grow the request's table to hold ``num_tokens`` tokens.
 
-        Returns the newly added block ids, or ``None`` (and changes nothing)
-        when there are not enough free blocks.
+        ``cached`` (from :meth:`find_cached_prefix`, for a request with no table
+        yet) starts the table with shared blocks. Returns the newly added block
+        ids, or ``None`` (and changes nothing) when there are not enough free
+        blocks.
         """
-        need = self.blocks_needed(request_id, num_tokens)
-        if need > len(self._free):
+        if cached and request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already has blocks")
+        need = self.blocks_needed(request_id, num_tokens) - len(cached)
+        reclaimed = sum(1 for b in cached if self._ref[b] == 0)
+        if need > self.num_free_blocks - reclaimed:
             return None
-        new = [self._free.popleft() for _ in range(need)]
-        self._tables.setdefault(request_id, []).extend(new)
+        for block in cached:
+            if self._ref[block] == 0:
+                del self._free_keyed[block]
+            self._ref[block] += 1
+        new = [self._take_free_block() for _ in range(max(0, need))]
+        table = self._tables.setdefault(request_id, [])
+        table.extend(cached)
+        table.extend(new)
+        if cached:
+            self._num_keyed[request_id] = len(cached)
         return new
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._free_keyed.popitem(last=False)
+            del self._by_key[self._key[block]]  # type: ignore[index]
+            self._key[block] = None
+        self._ref[block] = 1
+        return block
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> list[int]:
+        """Key the request's full blocks within its first ``num_computed_tokens``
+        tokens (their KV is, or is being, written this step). A block whose key
+        another block already holds stays unkeyed. Returns the blocks keyed now."""
+        if not self.enable_prefix_caching:
+            return []
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        full = min(num_computed_tokens // self.block_size, len(table))
+        start = self._num_keyed.get(rid, 0)
+        if full <= start:
+            return []
+        keys = extend_block_hashes(request, self.block_size, full)
+        keyed = []
+        for i in range(start, full):
+            block, key = table[i], keys[i]
+            if self._key[block] is None and key not in self._by_key:
+                self._key[block] = key
+                self._by_key[key] = block
+                keyed.append(block)
+        self._num_keyed[rid] = full
+        return keyed
+
+    def uncache(self, blocks: Iterable[int]) -> None:
+        """Drop the keys of ``blocks`` (their KV was never written)."""
+        for block in blocks:
+            key = self._key[block]
+            if key is None:
+                continue
+            self._key[block] = None
+            del self._by_key[key]
+            if block in self._free_keyed:
+                del self._free_keyed[block]
+                self._free.append(block)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     def free(self, request_id: str) -> None:
-        """Return every block of the request to the pool (no-op if it has none)."""
+        """Drop the request's references (no-op if it has none). Blocks no table
+        holds any more become free; keyed ones stay cached, the request's last
+        block first in line for reclaiming."""
         blocks = self._tables.pop(request_id, None)
-        if blocks:
-            self._free.extend(reversed(blocks))
+        self._num_keyed.pop(request_id, None)
+        for block in reversed(blocks or ()):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._key[block] is None:
+                    self._free.append(block)
+                else:
+                    self._free_keyed[block] = None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables

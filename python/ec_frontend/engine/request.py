@@ -78,6 +78,7 @@ class Request:
         mrope_position_delta: int = 0,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -93,6 +94,10 @@ class Request:
         self.mrope_position_delta = mrope_position_delta
         self.prompt = prompt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        #: Scopes prefix-cache keys to a tenant (vLLM's ``cache_salt``).
+        self.cache_salt = cache_salt
+        #: Prefix-cache keys of the full blocks computed so far (``block_hash``).
+        self.block_hashes: list[bytes] = []
 
         self.kv_transfer_params = _extra_arg(sampling_params, "kv_transfer_params")
         self.ec_transfer_params = _extra_arg(sampling_params, "ec_transfer_params")
@@ -123,6 +128,7 @@ class Request:
             mrope_positions=inputs.mrope_positions,
             mrope_position_delta=inputs.mrope_position_delta,
             prompt=inputs.prompt,
+            cache_salt=getattr(inputs, "cache_salt", None),
         )
 
     @property

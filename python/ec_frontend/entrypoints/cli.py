@@ -83,6 +83,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="accepted for vLLM compatibility and recorded; no CUDA graphs are captured yet, "
         "so every step runs eagerly either way",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of full blocks whose prefix (tokens, images, cache_salt) an earlier "
+        "request computed (default on; --no-enable-prefix-caching turns it off)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)")
     p.add_argument(
         "--dtype",
@@ -250,6 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         encoder_cache_size=args.encoder_cache_size,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
         dtype=args.dtype,
         cpu_threads=args.cpu_threads,

@@ -47,6 +47,7 @@ class ServeOptions:
     block_size: int = 16
     encoder_cache_size: int | None = None
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     device: str | None = None
     dtype: str = "auto"
     cpu_threads: int | None = None

@@ -73,6 +73,7 @@ class MockInputs:
     prompt_token_ids: list[int]
     mm_features: list[MockFeature] = field(default_factory=list)
     prompt: str | None = None
+    cache_salt: str | None = None
 
 
 class MockProcessor:

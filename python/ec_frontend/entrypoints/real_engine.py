@@ -98,6 +98,7 @@ def cache_config(opts: ServeOptions, encoder_rows: int) -> CacheConfig:
         gpu_memory_utilization=util,
         encoder_cache_size=encoder,
         enforce_eager=opts.enforce_eager,
+        enable_prefix_caching=opts.enable_prefix_caching,
     )
 
 

@@ -86,6 +86,8 @@ class ProcessedInputs:
     mrope_positions: torch.Tensor
     mrope_position_delta: int
     prompt: str | None = None
+    #: vLLM's ``cache_salt``: scopes the prefix cache's block keys to a tenant.
+    cache_salt: str | None = None
 
 
 class InputProcessor:
