@@ -18,4 +18,6 @@ bash scripts/fuzz.sh 20
 echo "== pytest"
 # tests/interop drive the server with vLLM's own code from a separate venv (first run: 5-10 min).
 bash scripts/setup_vllm.sh
+# tests/mooncake start a real mooncake_master: the CPU build of Mooncake and its Debian libraries.
+bash scripts/setup_mooncake.sh
 python -m pytest "$@"
