@@ -16,3 +16,8 @@ class InputError(ValueError):
         super().__init__(message)
         self.message = message
         self.code = code
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint that cannot be loaded as asked (missing files or weights, an
+    unsupported architecture, an unavailable device or dtype)."""

@@ -1,44 +1,61 @@
-"""Local Hugging Face Qwen2-VL checkpoint -> model and input processor.
+"""Checkpoint -> model and input processor, for every family of the registry.
 
 Entry points used by the engine:
 
-* :func:`load_model` builds a :class:`~ec_frontend.model.qwen2_vl.Qwen2VLModel`
-  from ``config.json`` and the ``*.safetensors`` weights (single file or
-  sharded), reading only the tensors of the parts asked for.
+* :func:`resolve_model_path`: a local checkpoint directory, or a Hugging Face id
+  resolved through the local Hugging Face cache (downloaded only when the hub is
+  not offline);
+* :func:`load_model` builds the :class:`~ec_frontend.model.interface.VisionLanguageModel`
+  of the checkpoint's family (:mod:`ec_frontend.model.registry`) from
+  ``config.json`` and its ``*.safetensors`` weights (single file or sharded),
+  reading only the tensors of the parts asked for;
 * :func:`load_processor` builds an :class:`~ec_frontend.model.processor.InputProcessor`
-  from the tokenizer, chat template and image processor config.
+  from the tokenizer, chat template and image processor config;
 * :func:`ensure_builtin_checkpoint` (re-exported) gives the built-in model's directory.
 
-Both the Hub layout (``visual.*``, ``model.layers.*``) and the layout of
-``transformers`` 5 (``model.visual.*``, ``model.language_model.*``) are read.
+Loading holds at real sizes: modules are built with their parameters on the
+``meta`` device (no memory, no random init), then each safetensors shard is
+opened with ``safe_open`` on the target device and every tensor becomes its
+parameter directly, cast to the target dtype one tensor at a time. A bf16
+checkpoint loaded in bf16 is never copied, so peak host memory stays near the
+checkpoint's size. ``load_format="dummy"`` fills the same parameters with
+seeded random values instead (for benchmarks of real shapes without weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
+from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
+from ec_frontend.model.registry import ModelFamily, family_for
 
 __all__ = [
     "ModelLoadError",
     "ensure_builtin_checkpoint",
+    "load_config",
     "load_model",
     "load_processor",
     "resolve_device",
     "resolve_dtype",
+    "resolve_model_path",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: Files a served checkpoint needs from the hub (weights, configs, tokenizer, template).
+HUB_FILE_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -49,19 +66,7 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-# (prefix in the checkpoint, component, prefix inside the component); first match wins.
-_PREFIXES = (
-    ("model.visual.", "vision", ""),
-    ("visual.", "vision", ""),
-    ("model.language_model.", "language", ""),
-    ("lm_head.", "language", "lm_head."),
-    ("model.", "language", ""),
-)
-
-
-class ModelLoadError(RuntimeError):
-    """A checkpoint directory that cannot be loaded as asked (missing files or
-    weights, an unsupported architecture, an unavailable device or dtype)."""
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -92,42 +97,70 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return resolved
 
 
+def resolve_model_path(model: str | Path) -> Path:
+    """A local checkpoint directory for ``--model``.
+
+    An existing path is used as it is. Anything else that reads as a Hugging Face
+    id (``org/name``) is looked up in the local Hugging Face cache
+    (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
+    when it is not there and the hub is not offline (``HF_HUB_OFFLINE`` unset),
+    the checkpoint's files (:data:`HUB_FILE_PATTERNS`) are downloaded into that
+    cache first. Raises :class:`ModelLoadError`.
+    """
+    path = Path(model)
+    if path.exists():
+        return path
+    name = str(model)
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
+        raise ModelLoadError(
+            f"--model {name!r} is neither a checkpoint directory nor a Hugging Face id (org/name)"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    patterns = list(HUB_FILE_PATTERNS)
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    except HFValidationError as exc:
+        raise ModelLoadError(f"--model {name!r} is not a valid Hugging Face id: {exc}") from None
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ModelLoadError(
+            f"--model {name!r}: not a directory and not in the local Hugging Face cache "
+            "(HF_HUB_OFFLINE is set; download it first: `hf download "
+            f"{name}`, or unset HF_HUB_OFFLINE)"
+        )
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"--model {name!r}: download from the Hugging Face hub failed: {exc}"
+        ) from None
+
+
 def load_config(path: str | Path) -> PretrainedConfig:
-    """The checkpoint's ``transformers`` config, checked to be a supported architecture."""
+    """The checkpoint's ``transformers`` config, checked to be of a registered family."""
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"{directory} is not a checkpoint directory (no config.json)")
-    config = AutoConfig.from_pretrained(directory)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported model_type {config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-        )
-    return config
+    try:
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{directory}/config.json cannot be read: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{directory}/config.json is not a JSON object")
+    family_for(raw)
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{directory}/config.json is not a valid config: {exc}") from None
 
 
 def text_model_config(config: PretrainedConfig) -> TextModelConfig:
-    """The language-model shape of a Qwen2-VL config."""
-    text = config.text_config
-    rope = text.rope_parameters or {}
-    section = tuple(rope.get("mrope_section") or ())
-    if len(section) != 3:
-        raise ModelLoadError(f"config has no 3-part mrope_section (got {list(section)})")
-    if text.hidden_act != "silu":
-        raise ModelLoadError(f"unsupported hidden_act {text.hidden_act!r} (expected 'silu')")
-    if getattr(text, "use_sliding_window", False):
-        raise ModelLoadError("sliding-window attention is not supported")
-    return TextModelConfig(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_layers=text.num_hidden_layers,
-        num_heads=text.num_attention_heads,
-        num_kv_heads=text.num_key_value_heads or text.num_attention_heads,
-        rms_norm_eps=text.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-        mrope_section=(int(section[0]), int(section[1]), int(section[2])),
-        tie_word_embeddings=bool(config.tie_word_embeddings),
-    )
+    """The language-model shape of a checkpoint config of a registered family."""
+    return family_for(config).text_config(config)
 
 
 def load_model(
@@ -139,7 +172,7 @@ def load_model(
     load_language: bool = True,
     load_format: str = "auto",
 ) -> Qwen2VLModel:
-    """Load a local Qwen2-VL checkpoint.
+    """Load a local checkpoint of a registered family.
 
     ``device`` defaults to CUDA when available, else CPU; ``dtype`` to bfloat16
     on CUDA, float32 elsewhere. ``load_vision`` / ``load_language`` choose the
@@ -152,66 +185,180 @@ def load_model(
         raise ModelLoadError(f"unsupported load_format {load_format!r}; use one of {LOAD_FORMATS}")
     directory = Path(path)
     config = load_config(directory)
+    family = family_for(config)
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, target_device)
-    text_cfg = text_model_config(config)
-    dummy = load_format == "dummy"
-    wanted = {name for name, on in (("vision", load_vision), ("language", load_language)) if on}
-    weights = {} if dummy else _read_weights(directory, wanted)
+    text_cfg = family.text_config(config)
+    try:
+        text_cfg.validate()
+    except ValueError as exc:
+        raise ModelLoadError(f"{family.name} config: {exc}") from None
 
-    vision = None
-    language = None
-    # Built under a fixed seed: dummy weights are reproducible, the global RNG untouched.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    parts: dict[str, nn.Module] = {}
+    with _parameters_on_meta():
         if load_vision:
-            vision = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
+            tower = family.vision_tower_class()
+            parts["vision"] = tower._from_config(config.vision_config, dtype=torch.float32)
         if load_language:
-            language = Qwen2TextModel(text_cfg)
-    if vision is not None:
-        if not dummy:
-            _load_into(vision, weights["vision"], "vision tower")
-        vision = _to_keeping_float32_rope(vision, target_device, target_dtype)
-    if language is not None:
-        if not dummy:
-            lm_weights = weights["language"]
-            if text_cfg.tie_word_embeddings:
-                lm_weights.pop("lm_head.weight", None)
-            _load_into(language, lm_weights, "language model")
-        language = language.to(device=target_device, dtype=target_dtype).eval()
+            parts["language"] = Qwen2TextModel(text_cfg)
+    if load_format == "dummy":
+        gen = torch.Generator().manual_seed(0)
+        for module in parts.values():
+            _fill_random(module, target_device, target_dtype, gen)
+    elif parts:
+        skip = {"lm_head.weight"} if text_cfg.tie_word_embeddings else set()
+        _stream_weights(directory, family, parts, target_device, target_dtype, skip)
+    for name, module in parts.items():
+        _finish(module, _PART_NAMES[name], target_device)
+    vision, language = parts.get("vision"), parts.get("language")
     return Qwen2VLModel(
         text_config=text_cfg,
         image_token_id=int(config.image_token_id),
-        spatial_merge_size=int(config.vision_config.spatial_merge_size),
+        spatial_merge_size=family.spatial_merge_size(config),
         vision=vision,
-        language=language,
+        language=language,  # type: ignore[arg-type]
         device=target_device,
         dtype=target_dtype,
     )
 
 
 def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
-    """The input processor of a local checkpoint (tokenizer, chat template, images)."""
+    """The input processor of a local checkpoint (tokenizer, chat template, images).
+    A checkpoint without a tokenizer or an image processor config is refused with
+    :class:`ModelLoadError` naming the missing file."""
     directory = Path(path)
     config = load_config(directory)
-    return InputProcessor.from_pretrained(directory, config, model_id=model_id)
+    family = family_for(config)
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})"
+        )
+    if not (directory / "preprocessor_config.json").is_file():
+        raise ModelLoadError(
+            f"{directory} has no image processor config (preprocessor_config.json)"
+        )
+    try:
+        return InputProcessor.from_pretrained(
+            directory, config, model_id=model_id, positions=family.positions(config)
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(
+            f"{directory}: tokenizer or image processor cannot load: {exc}"
+        ) from None
 
 
-def _to_keeping_float32_rope(
-    module: torch.nn.Module, device: torch.device, dtype: torch.dtype
-) -> torch.nn.Module:
-    """``module.to(device, dtype)``, except rotary ``inv_freq`` buffers stay float32."""
-    saved = {
-        name: buf.detach().float().clone()
-        for name, buf in module.named_buffers()
-        if name.endswith("inv_freq")
+_PART_NAMES = {"vision": "vision tower", "language": "language model"}
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the ``meta`` device (no memory,
+    and initialisation is a no-op); buffers (rotary frequencies) stay real."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+def _fill_random(
+    module: nn.Module, device: torch.device, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """Seeded weights that keep activations of order one: norms at 1 (bias 0), other
+    biases small, matrices with standard deviation ``1/sqrt(fan_in)``."""
+    for owner_name, owner in module.named_modules():
+        is_norm = "norm" in type(owner).__name__.lower()
+        for attr, param in list(owner.named_parameters(recurse=False)):
+            shape = tuple(param.shape)
+            if is_norm:
+                value = torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+            elif param.ndim == 1:
+                value = torch.randn(shape, generator=gen) * 0.02
+            else:
+                fan_in = param[0].numel()
+                value = torch.randn(shape, generator=gen) * fan_in**-0.5
+            name = f"{owner_name}.{attr}" if owner_name else attr
+            _set_parameter(module, name, value.to(device=device, dtype=dtype))
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return str(device)
+
+
+def _stream_weights(
+    directory: Path,
+    family: ModelFamily,
+    parts: dict[str, nn.Module],
+    device: torch.device,
+    dtype: torch.dtype,
+    skip: set[str],
+) -> None:
+    """Every wanted tensor straight from its shard into its parameter: one shard open
+    at a time, one tensor in flight, cast on arrival."""
+    expected = {
+        part: {name: tuple(p.shape) for name, p in module.named_parameters()}
+        for part, module in parts.items()
     }
-    module = module.to(device=device, dtype=dtype).eval()
-    for name, buf in saved.items():
+    unexpected: dict[str, list[str]] = {part: [] for part in parts}
+    for file in _weight_files(directory):
+        with safe_open(str(file), framework="pt", device=_safetensors_device(device)) as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                located = family.weight_part(key)
+                if located is None or located[0] not in parts:
+                    continue
+                part, name = located
+                if name in skip and part == "language":
+                    continue
+                shapes = expected[part]
+                if name not in shapes:
+                    unexpected[part].append(name)
+                    continue
+                shape = tuple(handle.get_slice(key).get_shape())
+                if shape != shapes[name]:
+                    raise ModelLoadError(
+                        f"{_PART_NAMES[part]}: weight {name} has shape {shape}, "
+                        f"expected {shapes[name]}"
+                    )
+                tensor = handle.get_tensor(key)
+                if tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                _set_parameter(parts[part], name, tensor)
+    for part, module in parts.items():
+        missing = sorted(n for n, p in module.named_parameters() if p.device.type == "meta")
+        extra = sorted(unexpected[part])
+        if missing or extra:
+            raise ModelLoadError(
+                f"{_PART_NAMES[part]}: checkpoint weights do not match the config "
+                f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''})"
+            )
+
+
+def _finish(module: nn.Module, what: str, device: torch.device) -> None:
+    """Buffers to the device (rotary ``inv_freq`` stays float32), eval mode."""
+    for name, buf in list(module.named_buffers()):
+        if buf.device.type == "meta":
+            raise ModelLoadError(f"{what}: buffer {name} was not initialised")
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        setattr(owner, attr, buf.to(device))
-    return module
+        owner._buffers[attr] = buf.to(device)
+    module.eval()
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -227,36 +374,3 @@ def _weight_files(directory: Path) -> list[Path]:
     if missing:
         raise ModelLoadError(f"weight files listed in the index are missing: {missing}")
     return files
-
-
-def _read_weights(directory: Path, wanted: set[str]) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in wanted}
-    if not wanted:
-        return out
-    for file in _weight_files(directory):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                for prefix, component, inner in _PREFIXES:
-                    if key.startswith(prefix):
-                        if component in wanted:
-                            out[component][inner + key[len(prefix) :]] = handle.get_tensor(key)
-                        break
-    return out
-
-
-def _load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
-    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
-    missing = sorted(shapes.keys() - weights.keys())
-    unexpected = sorted(weights.keys() - shapes.keys())
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{what}: checkpoint weights do not match the config "
-            f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
-        )
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != shapes[name]:
-            raise ModelLoadError(
-                f"{what}: weight {name} has shape {tuple(tensor.shape)}, expected {shapes[name]}"
-            )
-    module.load_state_dict(weights, strict=True)

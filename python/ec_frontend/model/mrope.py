@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ec_frontend.model.registry import PositionSpec
+
 
 def mrope_positions(
     num_tokens: int,
@@ -51,3 +53,17 @@ def mrope_positions(
         return torch.zeros(3, 0, dtype=torch.int64), 0
     positions = torch.cat(parts, dim=1).contiguous()
     return positions, int(positions.max()) + 1 - num_tokens
+
+
+def prompt_positions(
+    spec: PositionSpec,
+    num_tokens: int,
+    placements: Sequence[tuple[int, int, tuple[int, int, int]]],
+    spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
+    """The ``[3, num_tokens]`` positions and decode delta of a prompt under ``spec``:
+    M-RoPE as :func:`mrope_positions`; 1-D RoPE as three equal rows ``0..n-1``
+    with delta 0 (images take one position per placeholder token)."""
+    if spec.uses_mrope_delta:
+        return mrope_positions(num_tokens, placements, spatial_merge_size)
+    return torch.arange(num_tokens, dtype=torch.int64).expand(3, num_tokens).contiguous(), 0

@@ -30,7 +30,8 @@ from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
 
 from ec_frontend.model.errors import InputError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, decode_image
-from ec_frontend.model.mrope import mrope_positions
+from ec_frontend.model.mrope import prompt_positions
+from ec_frontend.model.registry import PositionSpec
 
 __all__ = [
     "InputError",
@@ -108,8 +109,11 @@ class InputProcessor:
         max_model_len: int,
         model_id: str = "",
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        positions: PositionSpec | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: The family's position scheme (default: M-RoPE).
+        self.positions = positions or PositionSpec("mrope")
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.spatial_merge_size = spatial_merge_size
@@ -144,7 +148,12 @@ class InputProcessor:
 
     @classmethod
     def from_pretrained(
-        cls, directory: Path, config: PretrainedConfig, *, model_id: str = ""
+        cls,
+        directory: Path,
+        config: PretrainedConfig,
+        *,
+        model_id: str = "",
+        positions: PositionSpec | None = None,
     ) -> InputProcessor:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = AutoImageProcessor.from_pretrained(directory)
@@ -156,6 +165,7 @@ class InputProcessor:
             vocab_size=int(config.text_config.vocab_size),
             max_model_len=int(config.text_config.max_position_embeddings),
             model_id=model_id,
+            positions=positions,
         )
 
     @property
@@ -263,7 +273,9 @@ class InputProcessor:
                 code="too_many_tokens",
             )
         placements = [(f.offset, f.length, f.image_grid_thw) for f in features]
-        positions, delta = mrope_positions(len(ids), placements, self.spatial_merge_size)
+        positions, delta = prompt_positions(
+            self.positions, len(ids), placements, self.spatial_merge_size
+        )
         return ProcessedInputs(ids, features, positions, delta, text)
 
     def _encode(self, text: str) -> list[int]:

@@ -10,11 +10,13 @@ layer runs once over all ``T`` tokens, attention goes through
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.interface import AttentionMetadata
 from ec_frontend.model.paged_attention import (
     PagedLayout,
@@ -60,6 +62,33 @@ class TextModelConfig:
                 f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 "
                 f"= {self.head_dim // 2}"
             )
+
+
+def qwen2_text_config(config: Any) -> TextModelConfig:
+    """The language-model shape of a Qwen2-VL style checkpoint config (its
+    ``text_config``: a Qwen2 decoder with M-RoPE); :class:`ModelLoadError` for a
+    shape this decoder does not run."""
+    text = config.text_config
+    rope = text.rope_parameters or {}
+    section = tuple(rope.get("mrope_section") or ())
+    if len(section) != 3:
+        raise ModelLoadError(f"config has no 3-part mrope_section (got {list(section)})")
+    if text.hidden_act != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {text.hidden_act!r} (expected 'silu')")
+    if getattr(text, "use_sliding_window", False):
+        raise ModelLoadError("sliding-window attention is not supported")
+    return TextModelConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_layers=text.num_hidden_layers,
+        num_heads=text.num_attention_heads,
+        num_kv_heads=text.num_key_value_heads or text.num_attention_heads,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
+        mrope_section=(int(section[0]), int(section[1]), int(section[2])),
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+    )
 
 
 class RMSNorm(nn.Module):

@@ -2,18 +2,52 @@
 
 The vision tower is ``transformers``' Qwen2-VL vision transformer holding the
 checkpoint's weights; the language model is :class:`Qwen2TextModel`, which runs
-on the runner's paged KV cache. Either part may be absent: an encoder-only
-instance loads no language model, a prefill/decode instance may skip the
-vision tower; calling a missing part raises :class:`ComponentNotLoadedError`.
+on the runner's paged KV cache. :class:`Qwen2VLModel` serves every family built
+the same way (a Qwen-style vision tower whose ``pooler_output`` holds the
+merged tokens, a Qwen2 decoder): Qwen2.5-VL reuses it with its own tower.
+Either part may be absent: an encoder-only instance loads no language model, a
+prefill/decode instance may skip the vision tower; calling a missing part
+raises :class:`ComponentNotLoadedError`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel
-from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig
+from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig, qwen2_text_config
+from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+#: Checkpoint name prefixes of Qwen-VL families: the Hub layout (``visual.*``,
+#: ``model.layers.*``) and the layout of ``transformers`` 5 (``model.visual.*``,
+#: ``model.language_model.*``).
+QWEN_VL_WEIGHT_PREFIXES = (
+    ("model.visual.", "vision", ""),
+    ("visual.", "vision", ""),
+    ("model.language_model.", "language", ""),
+    ("lm_head.", "language", "lm_head."),
+    ("model.", "language", ""),
+)
+
+
+def qwen_mrope_positions(config: Any) -> PositionSpec:
+    """Contiguous M-RoPE sections of a Qwen-VL text config."""
+    return PositionSpec("mrope", qwen2_text_config(config).mrope_section)
+
+
+FAMILY = ModelFamily(
+    name="Qwen2-VL",
+    model_types=("qwen2_vl",),
+    architectures=("Qwen2VLForConditionalGeneration",),
+    vision_tower="transformers.models.qwen2_vl.modeling_qwen2_vl:"
+    "Qwen2VisionTransformerPretrainedModel",
+    weight_prefixes=QWEN_VL_WEIGHT_PREFIXES,
+    text_config=qwen2_text_config,
+    positions=qwen_mrope_positions,
+)
 
 
 class ComponentNotLoadedError(RuntimeError):

@@ -1,0 +1,145 @@
+"""Model families, keyed by a checkpoint's ``architectures`` and ``model_type``.
+
+A family is one module under :mod:`ec_frontend.model` exporting ``FAMILY``, a
+:class:`ModelFamily`, and one line in :data:`FAMILIES` naming that module. The
+entry is imported only when a checkpoint of the family is loaded. The engine
+never branches on a family name: it asks the family (or the loaded model) for
+capabilities instead:
+
+* :class:`PositionSpec`: 1-D RoPE or M-RoPE (its sections, contiguous or
+  interleaved, the time scaling of video frames) and whether the KV wire must
+  carry an M-RoPE position delta;
+* the vision tower class and the prefixes of its weights in a checkpoint;
+* :meth:`ModelFamily.num_image_tokens`: placeholder tokens per image grid, which
+  is also the row count of the item's encoder output ``[tokens, hidden_size]``
+  that the EC connectors and ``ec_transfer_params`` carry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ec_frontend.model.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from ec_frontend.model.qwen2_text import TextModelConfig
+
+__all__ = [
+    "FAMILIES",
+    "ModelFamily",
+    "PositionSpec",
+    "UnsupportedModelError",
+    "family_for",
+    "supported_model_types",
+]
+
+#: model_type -> module holding its ``FAMILY``. One line per family.
+FAMILIES: Mapping[str, str] = {
+    "qwen2_vl": "ec_frontend.model.qwen2_vl",
+    "qwen2_5_vl": "ec_frontend.model.qwen2_5_vl",
+}
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A checkpoint whose ``architectures`` / ``model_type`` no family serves."""
+
+
+@dataclass(frozen=True, slots=True)
+class PositionSpec:
+    """How a family's language model positions tokens.
+
+    ``kind`` is ``"mrope"`` (three position rows: temporal, height, width; the
+    rotary frequencies split into ``mrope_section``) or ``"rope"`` (one position
+    per token; the runner's ``[3, T]`` positions then carry three equal rows).
+    ``interleaved`` M-RoPE assigns frequencies to the three rows round-robin
+    instead of in contiguous sections. ``time_interval`` multiplies the temporal
+    index of an item's frames (Qwen2.5-VL's ``tokens_per_second`` for videos);
+    a still image has one frame, so it never changes an image's positions.
+    """
+
+    kind: Literal["mrope", "rope"]
+    mrope_section: tuple[int, int, int] | None = None
+    interleaved: bool = False
+    time_interval: float = 1.0
+
+    @property
+    def uses_mrope_delta(self) -> bool:
+        """Whether decode positions are offset from token indices (then the KV wire
+        carries ``mrope_position_delta`` from prefill to decode)."""
+        return self.kind == "mrope"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    """What the loader, the processor and the engine need to know about a family.
+
+    ``vision_tower`` is ``"module:Class"`` of the vision module (built from
+    ``config.vision_config``, called as ``tower(pixel_values, grid_thw=...)`` and
+    returning the projected per-token features as ``pooler_output``).
+    ``weight_prefixes`` maps checkpoint names to parts: ``(prefix, part, inner
+    prefix)``, first match wins. ``text_config`` reads the language model's shape,
+    ``positions`` the position scheme, from the checkpoint config.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    vision_tower: str
+    weight_prefixes: tuple[tuple[str, str, str], ...]
+    text_config: Callable[[PretrainedConfig], TextModelConfig]
+    positions: Callable[[PretrainedConfig], PositionSpec]
+
+    def vision_tower_class(self) -> type[nn.Module]:
+        module, _, attr = self.vision_tower.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    @staticmethod
+    def spatial_merge_size(config: PretrainedConfig) -> int:
+        return int(config.vision_config.spatial_merge_size)
+
+    def num_image_tokens(self, config: PretrainedConfig, grid_thw: tuple[int, int, int]) -> int:
+        """Placeholder tokens (= encoder output rows) of an image with patch grid ``grid_thw``."""
+        t, h, w = grid_thw
+        return t * h * w // self.spatial_merge_size(config) ** 2
+
+    def weight_part(self, name: str) -> tuple[str, str] | None:
+        """``(part, name inside the part)`` of a checkpoint tensor, ``None`` if no part has it."""
+        for prefix, part, inner in self.weight_prefixes:
+            if name.startswith(prefix):
+                return part, inner + name[len(prefix) :]
+        return None
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(FAMILIES)
+
+
+def family_for(config: PretrainedConfig | Mapping[str, Any]) -> ModelFamily:
+    """The family of a checkpoint config: its ``model_type``, or its
+    ``architectures`` when it has no ``model_type``. Raises :class:`UnsupportedModelError` naming both and the
+    supported families."""
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+    model_type = get("model_type")
+    architectures = list(get("architectures") or ())
+    module = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if module is None:
+        if model_type is None:
+            for candidate in FAMILIES.values():
+                family = _load(candidate)
+                if any(a in family.architectures for a in architectures):
+                    return family
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r} (architectures {architectures}); "
+            f"supported: {', '.join(f'{t} ({_load(m).name})' for t, m in FAMILIES.items())}"
+        )
+    return _load(module)
+
+
+def _load(module: str) -> ModelFamily:
+    return importlib.import_module(module).FAMILY
