@@ -85,7 +85,9 @@ class EngineCore:
         num_blocks: int | None = None
         if not self.encoder_only:
             num_blocks = plan_kv_cache(model, config).num_blocks
-            kv_cache = KVCacheManager(num_blocks, block_size)
+            kv_cache = KVCacheManager(
+                num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+            )
         self.kv_cache = kv_cache
         self.encoder_cache = EncoderCacheManager(config.cache.encoder_cache_size)
         self.scheduler = Scheduler(
@@ -126,6 +128,7 @@ class EngineCore:
             dtype=config.dtype,
             load_vision=config.load_vision,
             load_language=not config.is_encoder_only,
+            load_format=config.load_format,
         )
         processor = load_processor(path, model_id=config.model_id or model_id)
         eos = _generation_eos(path) or processor.eos_token_id
@@ -270,6 +273,8 @@ class EngineCore:
             kv_tokens_received_total=sc.kv_tokens_received,
             generation_tokens_total=sc.generation_tokens,
             preemptions_total=sc.num_preemptions,
+            prefix_cache_queries_total=sc.prefix_cache_queries,
+            prefix_cache_hits_total=sc.prefix_cache_hits,
             engine_steps_total=self.num_steps,
             lm_forward_calls_total=rc.lm_forward_calls,
             encoder_forward_calls_total=rc.encoder_forward_calls,
@@ -280,6 +285,7 @@ class EngineCore:
             kv_cache_usage=self.kv_cache.usage if self.kv_cache is not None else 0.0,
             encoder_cache_usage=self.encoder_cache.usage,
             kv_blocks_used=self.kv_cache.num_used_blocks if self.kv_cache is not None else 0,
+            kv_blocks_cached=self.kv_cache.num_cached_blocks if self.kv_cache is not None else 0,
             encoder_cache_refs=self.encoder_cache.num_references(),
             **_connector_stats(self.scheduler.kv_connector, self.scheduler.ec_connector),
         )

@@ -41,6 +41,10 @@ class SchedulerCounters:
     encoder_cache_hits: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
+    #: Prompt tokens of requests looked up in the prefix cache, and how many it held
+    #: (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -78,6 +82,11 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
         self.counters = SchedulerCounters()
+        # Prefix-cache blocks keyed during the current step, by the request computing
+        # them, and the requests admitted this step on such blocks (their readers).
+        self._step_keyed: dict[int, str] = {}
+        self._step_keyed_by: dict[str, list[int]] = {}
+        self._step_readers: dict[str, set[str]] = {}
 
     # ---- requests in and out ------------------------------------------------
 
@@ -187,6 +196,9 @@ class Scheduler:
         encoder_budget = cfg.encoder_budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._step_keyed.clear()
+        self._step_keyed_by.clear()
+        self._step_readers.clear()
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -210,6 +222,7 @@ class Scheduler:
             if not blocks_ok:
                 break
             self._commit(request, plan)
+            self._cache_blocks(request, request.num_computed_tokens + plan.num_new_tokens)
             encoder_budget = plan.encoder_budget
             token_budget -= plan.num_new_tokens
             scheduled.append(self._scheduled(request, plan, is_new=False))
@@ -265,7 +278,11 @@ class Scheduler:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self._remote_kv[request.request_id] = (request, num_external)
                 continue
-            start = request.num_computed_tokens + num_external
+            cached: list[int] = []
+            if num_external == 0 and request.num_computed_tokens == 0 and self.kv_cache:
+                cached = self.kv_cache.find_cached_prefix(request)
+            num_hit = len(cached) * self.kv_cache.block_size if cached else 0
+            start = request.num_computed_tokens + num_external + num_hit
             num_new = request.num_tokens - start
             if not cfg.enable_chunked_prefill and num_new > token_budget:
                 break
@@ -274,7 +291,9 @@ class Scheduler:
             if plan.error is not None:
                 self._fail(request, plan.error)
                 continue
-            if plan.num_new_tokens == 0 or not self._allocate(request, start + plan.num_new_tokens):
+            if plan.num_new_tokens == 0 or not self._allocate(
+                request, start + plan.num_new_tokens, cached
+            ):
                 # Not admitted: keep no cache hits pinned while it waits.
                 self.encoder_cache.free(request)
                 break
@@ -285,7 +304,10 @@ class Scheduler:
                 request.num_computed_tokens = start
                 request.num_cached_tokens = num_external
                 self.counters.kv_tokens_received += num_external
+            elif self.kv_cache is not None and self.kv_cache.enable_prefix_caching:
+                self._admit_prefix_hit(request, cached, num_hit)
             self._commit(request, plan)
+            self._cache_blocks(request, start + plan.num_new_tokens)
             encoder_budget = plan.encoder_budget
             token_budget -= plan.num_new_tokens
             request.status = RequestStatus.RUNNING
@@ -306,10 +328,46 @@ class Scheduler:
             is_new=is_new,
         )
 
-    def _allocate(self, request: Request, num_tokens: int) -> bool:
+    def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> bool:
         if self.kv_cache is None:
             return True
-        return self.kv_cache.allocate(request.request_id, num_tokens) is not None
+        return self.kv_cache.allocate(request.request_id, num_tokens, cached or ()) is not None
+
+    def _admit_prefix_hit(self, request: Request, cached: list[int], num_hit: int) -> None:
+        """Count a prefix-cache lookup of an admitted request and start it after its hit."""
+        self.counters.prefix_cache_queries += request.num_tokens
+        self.counters.prefix_cache_hits += num_hit
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        writers = {self._step_keyed[b] for b in cached if b in self._step_keyed}
+        if writers:
+            self._step_readers[request.request_id] = writers
+
+    def _cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Key the request's full blocks this step computes; remember them until the
+        step's results show whether their KV was written."""
+        if self.kv_cache is None:
+            return
+        keyed = self.kv_cache.cache_blocks(request, num_computed_tokens)
+        if keyed:
+            self._step_keyed_by.setdefault(request.request_id, []).extend(keyed)
+            for block in keyed:
+                self._step_keyed[block] = request.request_id
+
+    def _drop_unwritten_blocks(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
+        """A request that failed this step wrote no KV: unkey the blocks it keyed this
+        step, and fail the requests admitted this step on them (in schedule order, so
+        a reader's own readers follow)."""
+        for item in so.scheduled:
+            rid = item.request_id
+            if rid not in failed:
+                writer = next((w for w in self._step_readers.get(rid, ()) if w in failed), None)
+                if writer is None:
+                    continue
+                failed[rid] = f"the request computing its cached prefix failed: {failed[writer]}"
+            if self.kv_cache is not None:
+                self.kv_cache.uncache(self._step_keyed_by.get(rid, ()))
 
     def _kv_after_alloc(self, request: Request, num_external: int) -> None:
         if self.kv_connector is not None and self.kv_cache is not None:
@@ -337,6 +395,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Apply a step's results; returns one output per request with news."""
         self._handle_finished_transfers(runner_output)
+        if runner_output.failed and self._step_keyed_by:
+            self._drop_unwritten_blocks(scheduler_output, runner_output.failed)
         outputs = self._pending_outputs
         self._pending_outputs = []
         for item in scheduler_output.scheduled:

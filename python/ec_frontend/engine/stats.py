@@ -23,6 +23,8 @@ class EngineStats:
     kv_tokens_received_total: int = 0
     generation_tokens_total: int = 0
     preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
     engine_steps_total: int = 0
     lm_forward_calls_total: int = 0
     encoder_forward_calls_total: int = 0
@@ -37,6 +39,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     encoder_cache_usage: float = 0.0
     kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
     encoder_cache_refs: int = 0
     kv_requests_held: int = 0
     ec_items_held: int = 0
