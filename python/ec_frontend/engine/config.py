@@ -397,6 +397,8 @@ class EngineConfig:
     ec_transfer: ECTransferConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     load_vision: bool = True
+    #: ``auto`` / ``safetensors``: the checkpoint's weights; ``dummy``: random weights.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.is_encoder_only and not self.load_vision:

@@ -29,7 +29,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face checkpoint directory (default: the built-in tiny Qwen2-VL)",
+        help="checkpoint directory, or a Hugging Face id (org/name) found in the local "
+        "Hugging Face cache (default: the built-in tiny Qwen2-VL)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
@@ -96,6 +97,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16"],
         help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="weights: the checkpoint's safetensors (auto), or random weights for its "
+        "config.json (dummy: benchmarks without weights)",
     )
     p.add_argument(
         "--cpu-threads",
@@ -260,6 +268,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
         dtype=args.dtype,
+        load_format=args.load_format,
         cpu_threads=args.cpu_threads,
         ec_transfer_config=args.ec_transfer_config,
         kv_transfer_config=args.kv_transfer_config,

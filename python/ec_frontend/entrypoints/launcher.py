@@ -50,6 +50,7 @@ class ServeOptions:
     enable_prefix_caching: bool = True
     device: str | None = None
     dtype: str = "auto"
+    load_format: str = "auto"
     cpu_threads: int | None = None
     ec_transfer_config: str | None = None
     kv_transfer_config: str | None = None

@@ -122,16 +122,20 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
     ec = ECTransferConfig.from_json(ec_json, trust) if ec_json else None
     kv = KVTransferConfig.from_json(kv_json, trust) if kv_json else None
     from ec_frontend.model.builtin import BUILTIN_MODEL_ID, BUILTIN_NAME, ensure_builtin_checkpoint
-    from ec_frontend.model.loader import load_config
+    from ec_frontend.model.loader import load_config, resolve_model_path
 
     if opts.model is None:
         path = ensure_builtin_checkpoint()
         model_id = BUILTIN_MODEL_ID
     else:
-        path = Path(opts.model)
+        path = resolve_model_path(opts.model)
         name = path.resolve().name
-        # The built-in checkpoint has one id wherever it was written.
-        model_id = BUILTIN_MODEL_ID if name == BUILTIN_NAME else name
+        if not Path(opts.model).exists():
+            # A Hugging Face id names the model (as vLLM does), not its cache snapshot.
+            model_id = opts.model
+        else:
+            # The built-in checkpoint has one id wherever it was written.
+            model_id = BUILTIN_MODEL_ID if name == BUILTIN_NAME else name
     hf = load_config(path)
     model_max = int(hf.text_config.max_position_embeddings)
     max_len = opts.max_model_len or model_max
@@ -149,6 +153,7 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
         cache=cache_config(opts, sched.encoder_budget),
         ec_transfer=ec,
         kv_transfer=kv,
+        load_format=opts.load_format,
     )
     return config, str(path)
 
