@@ -151,6 +151,7 @@ def engine_config(
     num_kv_blocks: int | None = 256,
     encoder_cache_size: int = 1024,
     encoder_compute_budget: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> EngineConfig:
     return EngineConfig(
         device="cpu",
@@ -161,7 +162,10 @@ def engine_config(
             encoder_compute_budget=encoder_compute_budget,
         ),
         cache=CacheConfig(
-            block_size=16, num_kv_blocks=num_kv_blocks, encoder_cache_size=encoder_cache_size
+            block_size=16,
+            num_kv_blocks=num_kv_blocks,
+            encoder_cache_size=encoder_cache_size,
+            enable_prefix_caching=enable_prefix_caching,
         ),
         ec_transfer=ECTransferConfig.from_json(ec) if ec is not None else None,
     )
