@@ -111,6 +111,20 @@ class ParsedRequest:
     @property
     def include_usage(self) -> bool: ...
     @property
+    def continuous_usage_stats(self) -> bool:
+        """``stream_options.continuous_usage_stats`` with ``include_usage``: usage on
+        every stream chunk (as vLLM, the flag alone does nothing)."""
+    @property
+    def stream_interval(self) -> int:
+        """vLLM's ``stream_interval`` (chat, completions; default 1): a stream chunk per
+        this many tokens, the first and the last sent at once."""
+    @property
+    def return_token_ids(self) -> bool:
+        """vLLM's ``return_token_ids`` (chat, completions, generate)."""
+    @property
+    def output_mode(self) -> str:
+        """Generate's ``output_mode``: ``"tokens"`` (default) or ``"text"``."""
+    @property
     def n(self) -> int: ...
     @property
     def user(self) -> str | None: ...
@@ -135,7 +149,7 @@ class ParsedRequest:
         a requested -1 is normalized to 0), ``min_p`` 0.0, ``repetition_penalty`` 1.0.
         ``max_tokens`` is ``max_completion_tokens`` or else ``max_tokens`` (chat),
         ``max_output_tokens`` (responses), and when unset ``None`` for chat and
-        responses, 16 for completions and generate.
+        responses and generate (the rest of the context), 16 for completions.
         """
     @property
     def messages(self) -> list[dict[str, Any]] | None:
@@ -156,7 +170,8 @@ class ParsedRequest:
         """Generate requests: multimodal features already placed in ``token_ids``.
 
         ``{"mm_hashes": [str], "mm_placeholders": [{"offset": int, "length": int}],
-        "mm_grid_thw": [[t, h, w]] | None}``; the lists have one entry per item.
+        "mm_grid_thw": [[t, h, w]] | None}``; the lists have one entry per item, in
+        prompt order (vLLM's per-modality dicts are flattened).
         """
     @property
     def media(self) -> list[MediaItem]: ...

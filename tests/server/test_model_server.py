@@ -162,7 +162,8 @@ def test_generate_forwards_params_is_not_none(
 ) -> None:
     body = {
         "token_ids": [5, 6, 7, 8],
-        "sampling_params": {"max_tokens": 3, "temperature": 0, "detokenize": True},
+        "sampling_params": {"max_tokens": 3, "temperature": 0},
+        "output_mode": "text",
         **params,
     }
     r = httpx.post(model_server.url + "/inference/v1/generate", content=orjson.dumps(body))
@@ -242,11 +243,13 @@ def test_generate_with_features_reuses_the_encoded_image(
     body = {
         "token_ids": inputs.prompt_token_ids,
         "features": {
-            "mm_hashes": [feat.mm_hash],
-            "mm_placeholders": [{"offset": feat.offset, "length": feat.length}],
-            "mm_grid_thw": [list(feat.image_grid_thw)],
+            "mm_hashes": {"image": [feat.mm_hash]},
+            "mm_placeholders": {"image": [{"offset": feat.offset, "length": feat.length}]},
+            "mm_grid_thw": {"image": [list(feat.image_grid_thw)]},
+            "kwargs_data": {"image": [None]},
         },
-        "sampling_params": {"max_tokens": 4, "temperature": 0, "detokenize": True},
+        "sampling_params": {"max_tokens": 4, "temperature": 0},
+        "output_mode": "text",
         "ec_transfer_params": {},
     }
     r = httpx.post(model_server.url + "/inference/v1/generate", content=orjson.dumps(body))

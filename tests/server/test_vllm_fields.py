@@ -101,11 +101,7 @@ UNSUPPORTED = [
     ("/v1/chat/completions", chat(priority=1), "priority"),
     ("/v1/chat/completions", chat(echo=True), "echo"),
     ("/v1/chat/completions", chat(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (
-        "/v1/chat/completions",
-        chat(stream=True, stream_options={"continuous_usage_stats": True}),
-        "stream_options.continuous_usage_stats",
-    ),
+    ("/inference/v1/generate", {"token_ids": [104, 105], "priority": -1}, "priority"),
     ("/v1/completions", {"model": MOCK_MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"model": MOCK_MODEL, "prompt": "x", "bad_words": ["x"]}, "bad_words"),
     (

@@ -64,9 +64,16 @@ def completion_logprobs(
     }
 
 
-def chat_body(ctx: RequestContext, choices: list[Choice], usage: dict[str, Any], ids: str) -> bytes:
-    """A non-stream ``chat.completion`` body."""
-    return orjson.dumps(
+def chat_body(
+    ctx: RequestContext,
+    choices: list[Choice],
+    usage: dict[str, Any],
+    ids: str,
+    token_ids: bool = False,
+) -> bytes:
+    """A non-stream ``chat.completion`` body; with ``token_ids`` (vLLM's
+    ``return_token_ids``) the prompt's ids at the top and each choice's own."""
+    body = orjson.dumps(
         {
             "id": ids,
             "object": "chat.completion",
@@ -93,6 +100,13 @@ def chat_body(ctx: RequestContext, choices: list[Choice], usage: dict[str, Any],
             "ec_transfer_params": first_param(choices, "ec_transfer_params"),
         }
     )
+    if not token_ids:
+        return body
+    obj = orjson.loads(body)
+    obj["prompt_token_ids"] = choices[0].prompt_token_ids if choices else None
+    for c, out in zip(choices, obj["choices"], strict=True):
+        out["token_ids"] = c.token_ids
+    return orjson.dumps(obj)
 
 
 def completion_body(
@@ -101,8 +115,10 @@ def completion_body(
     usage: dict[str, Any],
     ids: str,
     echo: bool,
+    token_ids: bool = False,
 ) -> bytes:
-    """A non-stream ``text_completion`` body."""
+    """A non-stream ``text_completion`` body; with ``token_ids`` (vLLM's
+    ``return_token_ids``) each choice has its prompt's ids and its own."""
     out = []
     for c in choices:
         prefix = c.prompt_text if echo and c.prompt_text is not None else ""
@@ -115,6 +131,9 @@ def completion_body(
                 "stop_reason": c.stop_reason,
             }
         )
+        if token_ids:
+            out[-1]["prompt_token_ids"] = c.prompt_token_ids
+            out[-1]["token_ids"] = c.token_ids
     return orjson.dumps(
         {
             "id": ids,
@@ -156,9 +175,15 @@ async def _stream(
     output)`` gives the API-specific keys placed between ``index`` and
     ``finish_reason``; it is called once per chunk, in stream order. The
     finishing chunk of a choice also carries its ``stop_reason`` and transfer
-    params.
+    params. As vLLM: ``stream_interval`` merges a choice's outputs, with
+    ``continuous_usage_stats`` every chunk has the choice's usage so far, and with
+    ``return_token_ids`` every choice chunk has its new ``token_ids``.
     """
     usage_on = parsed.include_usage
+    continuous = parsed.continuous_usage_stats
+    with_ids = parsed.return_token_ids
+    prompt_ids = {j.index: j.inputs.prompt_token_ids for j in jobs}
+    prompt_len = {k: len(v) for k, v in prompt_ids.items()}
     base: dict[str, Any] = {
         "id": ids,
         "object": object_name,
@@ -166,18 +191,28 @@ async def _stream(
         "model": ctx.model,
     }
 
-    def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
+    def chunk(
+        choice: dict[str, Any], extra: dict[str, Any] | None = None, generated: int = 0
+    ) -> bytes:
         obj = {**base, "choices": [choice]}
         if extra:
             obj.update(extra)
-        if usage_on:
+        if continuous:
+            prompt = prompt_len[choice["index"]]
+            obj["usage"] = {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + generated,
+                "completion_tokens": generated,
+            }
+        elif usage_on:
             obj["usage"] = None
         return sse(obj)
 
     for choice in opening:
-        yield chunk(choice)
+        ids_extra = {"prompt_token_ids": prompt_ids[choice["index"]]} if with_ids else None
+        yield chunk(choice, ids_extra)
     seen: dict[int, Choice] = {}
-    async for c, out in serving.stream(jobs, ctx.started):
+    async for c, out in serving.stream(jobs, ctx.started, parsed.stream_interval):
         if c.error is not None:
             yield stream_error(c.error)
             yield DONE
@@ -191,15 +226,18 @@ async def _stream(
             **fields(c, out),
             "finish_reason": c.finish_reason if finished else None,
         }
+        if with_ids:
+            choice["token_ids"] = list(out.token_ids)
+        generated = len(c.token_ids)
         if finished:
             choice["stop_reason"] = c.stop_reason
             params = {
                 "kv_transfer_params": c.kv_transfer_params,
                 "ec_transfer_params": c.ec_transfer_params,
             }
-            yield chunk(choice, params)
+            yield chunk(choice, params, generated)
         else:
-            yield chunk(choice)
+            yield chunk(choice, None, generated)
     if usage_on:
         yield sse({**base, "choices": [], "usage": usage(list(seen.values()))})
     yield DONE
@@ -242,12 +280,17 @@ def completion_stream(
     """
     echo = {j.index: j.prompt_text for j in jobs if parsed.echo and j.prompt_text}
     offsets = {j.index: len(echo.get(j.index, "")) for j in jobs}
+    first = {j.index for j in jobs} if parsed.return_token_ids else set()
 
     def fields(c: Choice, out: Any) -> dict[str, Any]:
         logprobs = None
         if out.logprobs:
             logprobs = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[c.index])
         offsets[c.index] += len(out.text)
-        return {"text": echo.pop(c.index, "") + out.text, "logprobs": logprobs}
+        got = {"text": echo.pop(c.index, "") + out.text, "logprobs": logprobs}
+        if c.index in first:
+            first.discard(c.index)
+            got["prompt_token_ids"] = c.prompt_token_ids
+        return got
 
     return _stream(serving, ctx, parsed, jobs, ids, "text_completion", [], fields)

@@ -271,7 +271,7 @@ class App:
             return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
-        return self.json(chat_body(ctx, choices, usage(choices), ids))
+        return self.json(chat_body(ctx, choices, usage(choices), ids, parsed.return_token_ids))
 
     async def completions(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "completions")
@@ -282,7 +282,8 @@ class App:
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
         totals = usage(choices)
-        return self.json(completion_body(ctx, choices, totals, ids, parsed.echo))
+        body = completion_body(ctx, choices, totals, ids, parsed.echo, parsed.return_token_ids)
+        return self.json(body)
 
     async def responses(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "responses")
@@ -303,14 +304,20 @@ class App:
                 param="sampling_params.n",
                 code="invalid_value",
             )
+        if parsed.output_mode == "text" and _detokenize_off(parsed, body):
+            raise APIError(
+                400,
+                "output_mode='text' requires sampling_params.detokenize to be true",
+                param="output_mode",
+                code="invalid_value",
+            )
         rid = parsed.request_id or ctx.request_id
         jobs = await self.serving.make_jobs(parsed, rid)
-        with_text = _asks_for_text(parsed, body)
         if parsed.stream:
-            return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid, with_text), jobs)
+            return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
         self.check_choices(choices)
-        return self.json(generate_body(self.serving, ctx, choices[0], rid, with_text))
+        return self.json(generate_body(ctx, parsed, choices[0], rid))
 
     async def models(self, request: Request) -> Response:
         data = [
@@ -350,14 +357,14 @@ async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield DONE
 
 
-def _asks_for_text(parsed: ParsedRequest, body: bytes) -> bool:
-    """Generate: ``sampling_params.detokenize: true`` adds ``text`` to each choice.
+def _detokenize_off(parsed: ParsedRequest, body: bytes) -> bool:
+    """Generate: ``sampling_params.detokenize: false`` (vLLM's default is true).
 
     The parser lists the field as unknown; only then is its value read from the body.
     """
     if "sampling_params.detokenize" not in parsed.unknown_fields:
         return False
-    return orjson.loads(body).get("sampling_params", {}).get("detokenize") is True
+    return orjson.loads(body).get("sampling_params", {}).get("detokenize") in (False, 0, "false")
 
 
 class _DisconnectWatch:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ec_frontend._core import ParsedRequest
@@ -400,11 +400,24 @@ class Serving:
             self.release(jobs)
         return choices
 
-    async def stream(self, jobs: list[Job], started: float) -> AsyncIterator[tuple[Choice, Any]]:
+    async def stream(
+        self, jobs: list[Job], started: float, interval: int = 1
+    ) -> AsyncIterator[tuple[Choice, Any]]:
         """Yield ``(choice, delta)`` as deltas arrive from any job; ``choice`` already holds it.
 
-        Closing the iterator early aborts every job that has not finished.
+        With ``interval > 1`` (vLLM's ``stream_interval``) a job's deltas are merged
+        until they hold ``interval`` tokens; its first delta with tokens and its
+        finishing one go out at once. Closing the iterator early aborts every job
+        that has not finished.
         """
+        if interval > 1:
+            async for item in _coalesce(self._stream(jobs, started), interval):
+                yield item
+            return
+        async for item in self._stream(jobs, started):
+            yield item
+
+    async def _stream(self, jobs: list[Job], started: float) -> AsyncIterator[tuple[Choice, Any]]:
         choices = [self._choice(j) for j in jobs]
         if len(jobs) == 1:
             job, choice = jobs[0], choices[0]
@@ -465,3 +478,36 @@ class Serving:
             job.inputs.prompt_token_ids,
             job.prompt_text,
         )
+
+
+async def _coalesce(
+    deltas: AsyncIterator[tuple[Choice, Any]], interval: int
+) -> AsyncIterator[tuple[Choice, Any]]:
+    """Merge each choice's deltas as vLLM's ``stream_interval`` does."""
+    pending: dict[int, Any] = {}
+    sent: set[int] = set()
+    try:
+        async for choice, out in deltas:
+            key = choice.index
+            held = pending.pop(key, None)
+            if held is not None:
+                held.add(out)
+                out = held
+            first = key not in sent and bool(out.token_ids)
+            if out.finished or first or len(out.token_ids) >= interval:
+                if out.token_ids:
+                    sent.add(key)
+                yield choice, out
+            else:
+                pending[key] = held if held is not None else _copy(out)
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
+
+
+def _copy(out: Any) -> Any:
+    """A delta that later deltas can be merged into without touching the engine's."""
+    return replace(
+        out,
+        token_ids=list(out.token_ids),
+        logprobs=None if out.logprobs is None else list(out.logprobs),
+    )

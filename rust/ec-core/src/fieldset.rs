@@ -53,9 +53,12 @@ pub enum F {
     LogitBias,
     AllowedTokenIds,
     MinTokens,
+    ReturnTokenIds,
+    OutputMode,
+    StreamInterval,
 }
 
-const COUNT: usize = F::MinTokens as usize + 1;
+const COUNT: usize = F::StreamInterval as usize + 1;
 
 impl F {
     /// The field of a key, on any endpoint.
@@ -105,6 +108,9 @@ impl F {
             "logit_bias" => F::LogitBias,
             "allowed_token_ids" => F::AllowedTokenIds,
             "min_tokens" => F::MinTokens,
+            "return_token_ids" => F::ReturnTokenIds,
+            "output_mode" => F::OutputMode,
+            "stream_interval" => F::StreamInterval,
             _ => return None,
         })
     }
@@ -164,6 +170,9 @@ const NAMES: [&str; COUNT] = [
     "logit_bias",
     "allowed_token_ids",
     "min_tokens",
+    "return_token_ids",
+    "output_mode",
+    "stream_interval",
 ];
 
 /// A set of fields.
@@ -231,6 +240,8 @@ pub const COMMON: Mask = Mask::of(&[
 /// `/v1/chat/completions`.
 pub const CHAT: Mask = COMMON.union(SAMPLING).union(Mask::of(&[
     F::Messages,
+    F::ReturnTokenIds,
+    F::StreamInterval,
     F::MaxCompletionTokens,
     F::TopLogprobs,
     F::ChatTemplateKwargs,
@@ -239,9 +250,12 @@ pub const CHAT: Mask = COMMON.union(SAMPLING).union(Mask::of(&[
 ]));
 
 /// `/v1/completions`.
-pub const COMPLETIONS: Mask = COMMON
-    .union(SAMPLING)
-    .union(Mask::of(&[F::Prompt, F::Echo]));
+pub const COMPLETIONS: Mask = COMMON.union(SAMPLING).union(Mask::of(&[
+    F::Prompt,
+    F::Echo,
+    F::ReturnTokenIds,
+    F::StreamInterval,
+]));
 
 /// `/v1/responses` (no `n`, no `max_tokens`, logprobs through `top_logprobs`).
 pub const RESPONSES: Mask = COMMON.union(Mask::of(&[
@@ -278,6 +292,8 @@ pub const GENERATE: Mask = Mask::of(&[
     F::KvTransferParams,
     F::EcTransferParams,
     F::VllmXargs,
+    F::ReturnTokenIds,
+    F::OutputMode,
 ]);
 
 /// Generate's `sampling_params` object.
@@ -365,8 +381,10 @@ enum NoOp {
 const C: u8 = 1;
 const P: u8 = 2;
 const R: u8 = 4;
+const G: u8 = 8;
 
-/// Fields vLLM 0.33 accepts on chat (C), completions (P) or Responses (R) that are not
+/// Fields vLLM 0.33 accepts on chat (C), completions (P), Responses (R) or generate (G,
+/// top level) that are not
 /// applied here, with the value that leaves them harmless and the reason a different
 /// value is refused. docs/compatibility.md lists the same table.
 #[rustfmt::skip]
@@ -394,9 +412,8 @@ const UNSUPPORTED: &[(&str, u8, NoOp, &str)] = &[
     ("documents", C, NoOp::Empty, "documents for the chat template are not supported"),
     ("chat_template", C, NoOp::Null, "the server's chat template cannot be replaced per request"),
     ("media_io_kwargs", C | R, NoOp::Empty, "media loading options are not supported"),
-    ("priority", C | P | R, NoOp::Int(0), "priority scheduling is not enabled (requests are served first come, first served)"),
+    ("priority", C | P | R | G, NoOp::Int(0), "priority scheduling is not enabled (requests are served first come, first served, as vLLM's default fcfs policy serves them)"),
     ("return_tokens_as_token_ids", C | P, NoOp::False, "token ids as logprob tokens are not supported"),
-    ("return_token_ids", C | P, NoOp::False, "returning token ids is not supported yet"),
     ("return_weight_versions", C | P, NoOp::False, "weight versions are not tracked"),
     ("routed_experts_prompt_start", C | P, NoOp::Int(0), "routed experts are not reported"),
     ("return_token_offsets", C | P, NoOp::False, "token offsets are not returned"),
@@ -404,7 +421,6 @@ const UNSUPPORTED: &[(&str, u8, NoOp, &str)] = &[
     ("mm_payload", C | P | R, NoOp::Str("tensors"), "multimodal payload options are not supported"),
     ("return_mm_kwargs", C | P | R, NoOp::False, "processed multimodal inputs are not returned"),
     ("repetition_detection", C | P, NoOp::Null, "repetition detection is not supported"),
-    ("stream_interval", C | P, NoOp::Int(1), "stream_interval is not supported yet"),
     ("suffix", P, NoOp::Null, "suffix is not supported"),
     ("prompt_embeds", P, NoOp::Null, "prompt embeddings are not supported"),
     ("background", R, NoOp::False, "background responses are not supported"),
@@ -455,7 +471,7 @@ pub fn unsupported(
         Endpoint::Chat => C,
         Endpoint::Completions => P,
         Endpoint::Responses => R,
-        Endpoint::Generate => return None,
+        Endpoint::Generate => G,
     };
     members.iter().find_map(|(key, v)| {
         UNSUPPORTED

@@ -4,7 +4,7 @@ use crate::content::{chat_messages, responses_input};
 use crate::error::{RequestError, Result};
 use crate::fields::{
     array, check_object, integer_in, missing, object, opt_bool, opt_object, opt_string, present,
-    string, token_id, type_error, value_error,
+    string, token_id, type_error, value_error, Members,
 };
 use crate::fieldset::{self, Fields, F};
 use crate::json::parse_body;
@@ -58,7 +58,18 @@ pub fn parse_request(
     req.model = opt_string(fields.raw(F::Model), &ROOT.key("model"))?;
     req.user = opt_string(fields.raw(F::User), &ROOT.key("user"))?;
     req.request_id = opt_string(fields.raw(F::RequestId), &ROOT.key("request_id"))?;
-    (req.stream, req.include_usage) = stream_flags(&fields)?;
+    (req.stream, req.include_usage, req.continuous_usage_stats) = stream_flags(&fields)?;
+    req.return_token_ids = opt_bool(
+        fields.raw(F::ReturnTokenIds),
+        &ROOT.key("return_token_ids"),
+        false,
+    )?;
+    if let Some(v) = fields.get(F::StreamInterval) {
+        req.stream_interval = integer_in(v, &ROOT.key("stream_interval"), 1, i64::MAX)? as u64;
+    }
+    if let Some(v) = fields.get(F::OutputMode) {
+        req.output_mode = output_mode(v)?;
+    }
     // The object-valued fields are checked here and moved out of the tree at the end
     // (no copy of their containers); until then they are read in place.
     let mut kept = [None; OBJECT_FIELDS.len()];
@@ -172,9 +183,11 @@ pub fn parse_request(
                 &sfields,
                 &sp,
                 LogprobStyle::Count,
+                // As vLLM: a generate request that gives no max_tokens may use the
+                // rest of the context.
                 LengthFields {
                     fields: &[F::MaxTokens],
-                    default: Some(16),
+                    default: None,
                 },
                 false,
                 req.stream,
@@ -224,6 +237,23 @@ const OBJECT_FIELDS: [(F, &str); 5] = [
     (F::ChatTemplateKwargs, "chat_template_kwargs"),
     (F::VllmXargs, "vllm_xargs"),
 ];
+
+/// Generate's `output_mode`; `derender` needs a chat parser this server does not have.
+fn output_mode(v: &Value<'_>) -> Result<&'static str> {
+    let path = ROOT.key("output_mode");
+    match string(v, &path)? {
+        "tokens" => Ok("tokens"),
+        "text" => Ok("text"),
+        "derender" => Err(value_error(
+            &path,
+            "output_mode 'derender' is not supported: use 'text' or 'tokens'",
+        )),
+        other => Err(value_error(
+            &path,
+            format!("output_mode must be 'tokens', 'text' or 'derender', got {other:?}"),
+        )),
+    }
+}
 
 /// vLLM's rule for `cache_salt`: absent, `null` or a non-empty string.
 fn cache_salt<'v>(v: Option<&'v Value<'_>>) -> Result<Option<&'v str>> {
@@ -297,108 +327,265 @@ fn prompts(v: &Value<'_>, path: &Path<'_>, limits: &Limits) -> Result<Vec<Prompt
     }
 }
 
+/// Generate's `features`: vLLM's per-modality form (`mm_hashes: {"image": [...]}`,
+/// `mm_placeholders: {"image": [...]}`, optional `kwargs_data` / `mm_metadata` whose
+/// entries must be `null` here, plus this server's `mm_grid_thw: {"image": [[t, h, w]]}`),
+/// or this server's earlier flat lists. Items come out in prompt order.
 fn features(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<Features> {
     object(v, path)?;
+    let hp = path.key("mm_hashes");
+    let hashes = present(v.get("mm_hashes")).ok_or_else(|| missing(&hp))?;
+    let mut items = if matches!(hashes, Value::Object(_)) {
+        modality_items(v, path, num_tokens)?
+    } else {
+        flat_items(v, path, num_tokens)?
+    };
+    if items.iter().any(|i| i.2.is_some()) && items.iter().any(|i| i.2.is_none()) {
+        return Err(value_error(
+            &path.key("mm_grid_thw"),
+            "'mm_grid_thw' must list a grid for every item or for none",
+        ));
+    }
+    items.sort_by_key(|i| i.1.offset);
+    for pair in items.windows(2) {
+        if pair[1].1.offset < pair[0].1.offset + pair[0].1.length {
+            return Err(value_error(
+                &path.key("mm_placeholders"),
+                "placeholders must not overlap",
+            ));
+        }
+    }
+    let has_grid = items.first().is_some_and(|i| i.2.is_some());
+    Ok(Features {
+        mm_hashes: items.iter().map(|i| i.0.clone()).collect(),
+        mm_placeholders: items.iter().map(|i| i.1).collect(),
+        mm_grid_thw: has_grid.then(|| items.iter().filter_map(|i| i.2).collect()),
+    })
+}
+
+/// One item: its hash, placeholder and grid.
+type Item = (String, Placeholder, Option<[u32; 3]>);
+
+/// The modalities the generate endpoint takes.
+const MODALITIES: [&str; 1] = ["image"];
+
+fn modality_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<Vec<Item>> {
+    let hp = path.key("mm_hashes");
+    let pp = path.key("mm_placeholders");
+    let hashes = object(
+        present(v.get("mm_hashes")).ok_or_else(|| missing(&hp))?,
+        &hp,
+    )?;
+    let places = object(
+        present(v.get("mm_placeholders")).ok_or_else(|| missing(&pp))?,
+        &pp,
+    )?;
+    let same_keys = |other: &Members<'_>| {
+        other.len() == hashes.len()
+            && other
+                .iter()
+                .all(|(k, _)| hashes.iter().any(|(h, _)| h == k))
+    };
+    if !same_keys(places) {
+        return Err(value_error(
+            &pp,
+            "mm_hashes and mm_placeholders must use the same modalities",
+        ));
+    }
+    let grids = match present(v.get("mm_grid_thw")) {
+        None => None,
+        Some(g) => Some(object(g, &path.key("mm_grid_thw"))?),
+    };
+    for name in ["kwargs_data", "mm_metadata"] {
+        let Some(data) = present(v.get(name)) else {
+            continue;
+        };
+        let dp = path.key(name);
+        let members = object(data, &dp)?;
+        if !same_keys(members) {
+            return Err(value_error(
+                &dp,
+                format!("'{name}' must use the same modalities as mm_hashes"),
+            ));
+        }
+        for (modality, list) in members {
+            let lp = dp.key(modality);
+            for (i, entry) in array(list, &lp)?.iter().enumerate() {
+                if !matches!(entry, Value::Null) {
+                    return Err(value_error(
+                        &lp.index(i),
+                        "serialized multimodal items are not supported: send null here, the \
+                         item's grid in 'features.mm_grid_thw' and its encoder output through \
+                         ec_transfer_params",
+                    ));
+                }
+            }
+        }
+    }
+    let gp_root = path.key("mm_grid_thw");
+    let mut items = Vec::new();
+    for (modality, list) in hashes {
+        let mp = hp.key(modality);
+        if !MODALITIES.contains(&modality.as_ref()) {
+            return Err(value_error(
+                &mp,
+                format!("modality '{modality}' is not supported (only 'image')"),
+            ));
+        }
+        let list = array(list, &mp)?;
+        let lp = pp.key(modality);
+        let place_list = array(
+            places
+                .iter()
+                .find(|(k, _)| k == modality)
+                .map(|m| &m.1)
+                .ok_or_else(|| missing(&lp))?,
+            &lp,
+        )?;
+        if place_list.len() != list.len() {
+            return Err(value_error(
+                &lp,
+                format!("{modality} mm_hashes and mm_placeholders must have the same length"),
+            ));
+        }
+        let gp = gp_root.key(modality);
+        let grid_list = match grids {
+            None => None,
+            Some(g) => {
+                let rows = g.iter().find(|(k, _)| k == modality).map(|m| &m.1);
+                let rows = array(rows.ok_or_else(|| missing(&gp))?, &gp)?;
+                if rows.len() != list.len() {
+                    return Err(value_error(
+                        &gp,
+                        format!(
+                            "'{gp}' has {} entries but mm_hashes has {}",
+                            rows.len(),
+                            list.len()
+                        ),
+                    ));
+                }
+                Some(rows)
+            }
+        };
+        for (i, h) in list.iter().enumerate() {
+            let grid = grid_list
+                .map(|rows| grid_row(&rows[i], &gp.index(i)))
+                .transpose()?;
+            items.push((
+                mm_hash(h, &mp.index(i))?,
+                placeholder(&place_list[i], &lp.index(i), num_tokens)?,
+                grid,
+            ));
+        }
+    }
+    Ok(items)
+}
+
+fn flat_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<Vec<Item>> {
     let hp = path.key("mm_hashes");
     let hashes = array(
         present(v.get("mm_hashes")).ok_or_else(|| missing(&hp))?,
         &hp,
     )?;
-    let mut mm_hashes = Vec::with_capacity(hashes.len());
-    for (i, h) in hashes.iter().enumerate() {
-        let p = hp.index(i);
-        let h = string(h, &p)?;
-        if !is_valid_mm_hash(h) {
-            return Err(value_error(
-                &p,
-                "an mm_hash must be lower-case hex of 1 to 128 characters",
-            ));
-        }
-        mm_hashes.push(h.to_owned());
-    }
     let pp = path.key("mm_placeholders");
     let places = array(
         present(v.get("mm_placeholders")).ok_or_else(|| missing(&pp))?,
         &pp,
     )?;
-    if places.len() != mm_hashes.len() {
+    if places.len() != hashes.len() {
         return Err(value_error(
             &pp,
             format!(
                 "'{pp}' has {} entries but 'mm_hashes' has {}",
                 places.len(),
-                mm_hashes.len()
+                hashes.len()
             ),
         ));
     }
-    let mut mm_placeholders = Vec::with_capacity(places.len());
-    let mut end_of_previous = 0;
-    for (i, place) in places.iter().enumerate() {
-        let p = pp.index(i);
-        object(place, &p)?;
-        let op = p.key("offset");
-        let lp = p.key("length");
-        let offset = integer_in(
-            present(place.get("offset")).ok_or_else(|| missing(&op))?,
-            &op,
-            0,
-            i64::MAX,
-        )? as usize;
-        let length = integer_in(
-            present(place.get("length")).ok_or_else(|| missing(&lp))?,
-            &lp,
-            1,
-            i64::MAX,
-        )? as usize;
-        if offset.saturating_add(length) > num_tokens {
-            return Err(value_error(
-                &p,
-                format!("placeholder [{offset}, {offset}+{length}) runs past the {num_tokens} token ids"),
-            ));
-        }
-        if offset < end_of_previous {
-            return Err(value_error(
-                &p,
-                "placeholders must be sorted and must not overlap",
-            ));
-        }
-        end_of_previous = offset + length;
-        mm_placeholders.push(Placeholder { offset, length });
-    }
     let gp = path.key("mm_grid_thw");
-    let mm_grid_thw = match present(v.get("mm_grid_thw")) {
+    let grids = match present(v.get("mm_grid_thw")) {
         None => None,
         Some(g) => {
             let rows = array(g, &gp)?;
-            if rows.len() != mm_hashes.len() {
+            if rows.len() != hashes.len() {
                 return Err(value_error(
                     &gp,
                     format!(
                         "'{gp}' has {} entries but 'mm_hashes' has {}",
                         rows.len(),
-                        mm_hashes.len()
+                        hashes.len()
                     ),
                 ));
             }
-            let mut grid = Vec::with_capacity(rows.len());
-            for (i, row) in rows.iter().enumerate() {
-                let rp = gp.index(i);
-                let cells = array(row, &rp)?;
-                if cells.len() != 3 {
-                    return Err(value_error(&rp, format!("'{rp}' must be [t, h, w]")));
-                }
-                let mut thw = [0u32; 3];
-                for (j, c) in cells.iter().enumerate() {
-                    thw[j] = integer_in(c, &rp.index(j), 1, i64::from(u16::MAX))? as u32;
-                }
-                grid.push(thw);
-            }
-            Some(grid)
+            Some(rows)
         }
     };
-    Ok(Features {
-        mm_hashes,
-        mm_placeholders,
-        mm_grid_thw,
-    })
+    let mut items = Vec::with_capacity(hashes.len());
+    let mut end_of_previous = 0;
+    for (i, h) in hashes.iter().enumerate() {
+        let p = pp.index(i);
+        let place = placeholder(&places[i], &p, num_tokens)?;
+        if place.offset < end_of_previous {
+            return Err(value_error(
+                &p,
+                "placeholders must be sorted and must not overlap",
+            ));
+        }
+        end_of_previous = place.offset.saturating_add(place.length);
+        let grid = grids
+            .map(|rows| grid_row(&rows[i], &gp.index(i)))
+            .transpose()?;
+        items.push((mm_hash(h, &hp.index(i))?, place, grid));
+    }
+    Ok(items)
+}
+
+fn mm_hash(h: &Value<'_>, p: &Path<'_>) -> Result<String> {
+    let h = string(h, p)?;
+    if !is_valid_mm_hash(h) {
+        return Err(value_error(
+            p,
+            "an mm_hash must be lower-case hex of 1 to 128 characters",
+        ));
+    }
+    Ok(h.to_owned())
+}
+
+fn placeholder(place: &Value<'_>, p: &Path<'_>, num_tokens: usize) -> Result<Placeholder> {
+    object(place, p)?;
+    let op = p.key("offset");
+    let lp = p.key("length");
+    let offset = integer_in(
+        present(place.get("offset")).ok_or_else(|| missing(&op))?,
+        &op,
+        0,
+        i64::MAX,
+    )? as usize;
+    let length = integer_in(
+        present(place.get("length")).ok_or_else(|| missing(&lp))?,
+        &lp,
+        1,
+        i64::MAX,
+    )? as usize;
+    if offset.saturating_add(length) > num_tokens {
+        return Err(value_error(
+            p,
+            format!(
+                "placeholder [{offset}, {offset}+{length}) runs past the {num_tokens} token ids"
+            ),
+        ));
+    }
+    Ok(Placeholder { offset, length })
+}
+
+fn grid_row(row: &Value<'_>, rp: &Path<'_>) -> Result<[u32; 3]> {
+    let cells = array(row, rp)?;
+    if cells.len() != 3 {
+        return Err(value_error(rp, format!("'{rp}' must be [t, h, w]")));
+    }
+    let mut thw = [0u32; 3];
+    for (j, c) in cells.iter().enumerate() {
+        thw[j] = integer_in(c, &rp.index(j), 1, i64::from(u16::MAX))? as u32;
+    }
+    Ok(thw)
 }

@@ -207,6 +207,15 @@ pub struct ParsedRequest {
     pub model: Option<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// `stream_options.continuous_usage_stats` with `include_usage`: usage on every chunk.
+    pub continuous_usage_stats: bool,
+    /// vLLM's `stream_interval` (chat, completions): a stream chunk per this many tokens
+    /// (the first and last chunks are sent at once).
+    pub stream_interval: u64,
+    /// vLLM's `return_token_ids` (chat, completions, generate).
+    pub return_token_ids: bool,
+    /// Generate's `output_mode`: `tokens` (the default) or `text`.
+    pub output_mode: &'static str,
     pub user: Option<String>,
     /// `request_id` of a generate request.
     pub request_id: Option<String>,
@@ -247,6 +256,10 @@ impl ParsedRequest {
             model: None,
             stream: false,
             include_usage: false,
+            continuous_usage_stats: false,
+            stream_interval: 1,
+            return_token_ids: false,
+            output_mode: "tokens",
             user: None,
             request_id: None,
             sampling: SamplingParams::default(),

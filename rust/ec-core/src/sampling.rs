@@ -255,10 +255,11 @@ fn stop_list(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<String>> {
 }
 
 /// `stream` and `stream_options.include_usage`; options without streaming are refused.
-pub fn stream_flags(fields: &Fields<'_, '_>) -> Result<(bool, bool)> {
+/// As vLLM, `continuous_usage_stats` counts only with `include_usage`.
+pub fn stream_flags(fields: &Fields<'_, '_>) -> Result<(bool, bool, bool)> {
     let stream = opt_bool(fields, F::Stream, &Path::Root, false)?;
     let Some(options) = fields.get(F::StreamOptions) else {
-        return Ok((stream, false));
+        return Ok((stream, false, false));
     };
     let path = ROOT.key("stream_options");
     let members = object(options, &path)?;
@@ -275,11 +276,6 @@ pub fn stream_flags(fields: &Fields<'_, '_>) -> Result<(bool, bool)> {
             .map(|b| b.unwrap_or(false))
     };
     let include_usage = flag("include_usage")?;
-    if flag("continuous_usage_stats")? {
-        return Err(value_error(
-            &path.key("continuous_usage_stats"),
-            "'stream_options.continuous_usage_stats' is not supported yet",
-        ));
-    }
-    Ok((stream, include_usage))
+    let continuous = flag("continuous_usage_stats")?;
+    Ok((stream, include_usage, include_usage && continuous))
 }

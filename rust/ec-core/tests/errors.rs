@@ -62,7 +62,9 @@ fn errors_name_code_and_param() {
         (Endpoint::Chat, chat(r#""stop":["a","b","c","d","e"]"#), "invalid_value", Some("stop")),
         (Endpoint::Completions, r#"{"prompt":"x","stop":["a","b","c","d","e"]}"#.into(), "invalid_value", Some("stop")),
         (Endpoint::Responses, r#"{"input":"x","stop":["a","b","c","d","e"]}"#.into(), "invalid_value", Some("stop")),
-        (Endpoint::Chat, chat(r#""stream":true,"stream_options":{"continuous_usage_stats":true}"#), "invalid_value", Some("stream_options.continuous_usage_stats")),
+        (Endpoint::Chat, chat(r#""stream":true,"stream_options":{"continuous_usage_stats":2}"#), "invalid_type", Some("stream_options.continuous_usage_stats")),
+        (Endpoint::Chat, chat(r#""stream_interval":0"#), "out_of_range", Some("stream_interval")),
+        (Endpoint::Chat, chat(r#""return_token_ids":"maybe""#), "invalid_type", Some("return_token_ids")),
         (Endpoint::Chat, chat(r#""max_tokens":0"#), "out_of_range", Some("max_tokens")),
         (Endpoint::Chat, chat(r#""max_tokens":-5"#), "out_of_range", Some("max_tokens")),
         (Endpoint::Chat, chat(r#""max_tokens":"10.5""#), "invalid_type", Some("max_tokens")),
@@ -127,6 +129,17 @@ fn errors_name_code_and_param() {
         (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":["ab"],"mm_placeholders":[{"offset":0}]}}"#.into(), "missing_field", Some("features.mm_placeholders[0].length")),
         (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":["ab"],"mm_placeholders":[{"offset":0,"length":1}],"mm_grid_thw":[[1,2]]}}"#.into(), "invalid_value", Some("features.mm_grid_thw[0]")),
         (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_placeholders":[]}}"#.into(), "missing_field", Some("features.mm_hashes")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"output_mode":"derender"}"#.into(), "invalid_value", Some("output_mode")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"output_mode":"json"}"#.into(), "invalid_value", Some("output_mode")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"priority":1}"#.into(), "invalid_value", Some("priority")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"audio":["ab"]},"mm_placeholders":{"audio":[{"offset":0,"length":1}]}}}"#.into(), "invalid_value", Some("features.mm_hashes.audio")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"image":["ab"]},"mm_placeholders":{}}}"#.into(), "invalid_value", Some("features.mm_placeholders")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"image":["ab"]},"mm_placeholders":{"image":[]}}}"#.into(), "invalid_value", Some("features.mm_placeholders.image")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"image":["ab"]},"mm_placeholders":{"image":[{"offset":1,"length":2}]}}}"#.into(), "invalid_value", Some("features.mm_placeholders.image[0]")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2,3],"features":{"mm_hashes":{"image":["ab","cd"]},"mm_placeholders":{"image":[{"offset":0,"length":2},{"offset":1,"length":1}]}}}"#.into(), "invalid_value", Some("features.mm_placeholders")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"image":["ab"]},"mm_placeholders":{"image":[{"offset":0,"length":1}]},"kwargs_data":{"image":["AAAA"]}}}"#.into(), "invalid_value", Some("features.kwargs_data.image[0]")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"image":["ab"]},"mm_placeholders":{"image":[{"offset":0,"length":1}]},"mm_metadata":{}}}"#.into(), "invalid_value", Some("features.mm_metadata")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2],"features":{"mm_hashes":{"image":["ab"]},"mm_placeholders":{"image":[{"offset":0,"length":1}]},"mm_grid_thw":{"image":[]}}}"#.into(), "invalid_value", Some("features.mm_grid_thw.image")),
     ];
     for (endpoint, body, code, param) in rows {
         let err = parse(endpoint, &body).expect_err(&body);

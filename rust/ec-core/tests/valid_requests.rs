@@ -61,6 +61,14 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Generate, r#"{"token_ids":[1,2,3],"sampling_params":{"extra_args":{"a":1,"b":1}},"vllm_xargs":{"b":2}}"#.into(), "/sampling/extra_args", json!({"a": 1, "b": 2})),
         (Endpoint::Generate, r#"{"token_ids":[1,2,3],"kv_transfer_params":{"do_remote_prefill":true}}"#.into(), "/sampling/extra_args", json!({"kv_transfer_params": {"do_remote_prefill": true}})),
         (Endpoint::Generate, r#"{"token_ids":[5,9,9,9,6],"features":{"mm_hashes":["ab12"],"mm_placeholders":[{"offset":1,"length":3}],"mm_grid_thw":[[1,2,6]]}}"#.into(), "/features", json!({"mm_hashes": ["ab12"], "mm_placeholders": [{"offset": 1, "length": 3}], "mm_grid_thw": [[1, 2, 6]]})),
+        // vLLM's per-modality form comes out flat, in prompt order.
+        (Endpoint::Generate, r#"{"token_ids":[5,9,6,9,9],"features":{"mm_hashes":{"image":["cd","ab"]},"mm_placeholders":{"image":[{"offset":3,"length":2},{"offset":1,"length":1}]},"mm_grid_thw":{"image":[[1,2,4],[1,2,2]]},"kwargs_data":{"image":[null,null]},"mm_metadata":null}}"#.into(), "/features", json!({"mm_hashes": ["ab", "cd"], "mm_placeholders": [{"offset": 1, "length": 1}, {"offset": 3, "length": 2}], "mm_grid_thw": [[1, 2, 2], [1, 2, 4]]})),
+        (Endpoint::Generate, r#"{"token_ids":[1,2,3]}"#.into(), "/sampling/max_tokens", json!(null)),
+        (Endpoint::Generate, r#"{"token_ids":[1,2,3],"output_mode":"text","return_token_ids":true,"priority":0}"#.into(), "/output_mode", json!("text")),
+        (Endpoint::Generate, r#"{"token_ids":[1,2,3],"return_token_ids":"yes"}"#.into(), "/return_token_ids", json!(true)),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}"#.into(), "/continuous_usage_stats", json!(true)),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"continuous_usage_stats":true}}"#.into(), "/continuous_usage_stats", json!(false)),
+        (Endpoint::Completions, r#"{"prompt":"x","stream_interval":"4"}"#.into(), "/stream_interval", json!(4)),
     ];
     for (endpoint, body, pointer, expected) in rows {
         let parsed = json(&ok(endpoint, &body));

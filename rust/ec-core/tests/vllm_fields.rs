@@ -162,8 +162,6 @@ fn unapplied_vllm_fields_are_refused_by_name() {
         (Endpoint::Chat, "use_beam_search", "true"),
         (Endpoint::Chat, "priority", "5"),
         (Endpoint::Responses, "priority", "-1"),
-        (Endpoint::Chat, "return_token_ids", "true"),
-        (Endpoint::Completions, "stream_interval", "4"),
         (Endpoint::Chat, "chat_template", r#""{{ messages }}""#),
         (Endpoint::Chat, "spaces_between_special_tokens", "false"),
         (Endpoint::Completions, "add_special_tokens", "false"),

@@ -368,6 +368,22 @@ impl PyParsedRequest {
         self.inner.include_usage
     }
     #[getter]
+    fn continuous_usage_stats(&self) -> bool {
+        self.inner.continuous_usage_stats
+    }
+    #[getter]
+    fn stream_interval(&self) -> u64 {
+        self.inner.stream_interval
+    }
+    #[getter]
+    fn return_token_ids(&self) -> bool {
+        self.inner.return_token_ids
+    }
+    #[getter]
+    fn output_mode(&self) -> &'static str {
+        self.inner.output_mode
+    }
+    #[getter]
     fn n(&self) -> u32 {
         self.inner.sampling.n
     }
