@@ -233,9 +233,10 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
         raise ModelLoadError(
             f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})"
         )
-    if not (directory / "preprocessor_config.json").is_file():
+    if not _has_image_processor_config(directory):
         raise ModelLoadError(
-            f"{directory} has no image processor config (preprocessor_config.json)"
+            f"{directory} has no image processor config (preprocessor_config.json, or "
+            "processor_config.json with an image_processor entry)"
         )
     try:
         return InputProcessor.from_pretrained(
@@ -245,6 +246,16 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
         raise ModelLoadError(
             f"{directory}: tokenizer or image processor cannot load: {exc}"
         ) from None
+
+
+def _has_image_processor_config(directory: Path) -> bool:
+    if (directory / "preprocessor_config.json").is_file():
+        return True
+    combined = directory / "processor_config.json"
+    try:
+        return "image_processor" in json.loads(combined.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 _PART_NAMES = {"vision": "vision tower", "language": "language model"}

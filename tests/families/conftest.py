@@ -1,0 +1,171 @@
+"""Tiny random checkpoints of each family, written with ``transformers``' own classes.
+
+Each builder makes the model class of the family from a small config under a
+fixed seed and saves it with ``save_pretrained``; the tokenizer is the built-in
+model's (made in code) wrapped in ``transformers``' fast tokenizer, and the
+processor is the family's own processor class saved with ``save_pretrained``, so
+the checkpoint directory has the files of a Hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from ec_frontend.model import builtin
+from PIL import Image
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+)
+
+SEED = 1234
+#: Large enough that greedy argmax margins dwarf float32 reordering noise.
+INITIALIZER_RANGE = 0.2
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    tok = builtin.build_tokenizer()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=builtin.CHAT_TEMPLATE,
+    )
+
+
+def special_ids(tok: PreTrainedTokenizerFast) -> dict[str, int]:
+    return {t: tok.convert_tokens_to_ids(t) for t in builtin.SPECIAL_TOKENS}
+
+
+def qwen_image_processor() -> Qwen2VLImageProcessor:
+    return Qwen2VLImageProcessor(
+        min_pixels=builtin.MIN_PIXELS,
+        max_pixels=builtin.MAX_PIXELS,
+        patch_size=builtin.PATCH_SIZE,
+        temporal_patch_size=builtin.TEMPORAL_PATCH_SIZE,
+        merge_size=builtin.SPATIAL_MERGE_SIZE,
+    )
+
+
+def qwen2_5_vl_config(
+    ids: dict[str, int], vocab_size: int, *, text: dict[str, Any], vision: dict[str, Any]
+) -> Qwen2_5_VLConfig:
+    """A Qwen2.5-VL config with the given text / vision shapes and the tokenizer's ids."""
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
+                                "mrope_section": [2, 3, 3]},
+            "tie_word_embeddings": False,
+            "initializer_range": INITIALIZER_RANGE,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            **text,
+        },
+        vision_config={
+            "in_channels": 3,
+            "patch_size": builtin.PATCH_SIZE,
+            "spatial_merge_size": builtin.SPATIAL_MERGE_SIZE,
+            "temporal_patch_size": builtin.TEMPORAL_PATCH_SIZE,
+            "tokens_per_second": 2,
+            "initializer_range": INITIALIZER_RANGE,
+            **vision,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        initializer_range=INITIALIZER_RANGE,
+    )  # fmt: skip
+
+
+def write_qwen2_5_vl(directory: Path) -> Path:
+    """A tiny Qwen2.5-VL checkpoint: 2 decoder layers (hidden 64, GQA 4/2), a
+    4-block window-attention vision tower whose block 1 and 3 attend fully."""
+    tok = tokenizer()
+    ids = special_ids(tok)
+    vocab = builtin._round_up(len(tok), 64)
+    config = qwen2_5_vl_config(
+        ids,
+        vocab,
+        text={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+        vision={"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1, 3]},
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(directory)
+    processor = ImageOnlyQwen2_5_VLProcessor(
+        image_processor=qwen_image_processor(), tokenizer=tok, chat_template=builtin.CHAT_TEMPLATE
+    )
+    save_processor(processor, directory, "Qwen2_5_VLProcessor")
+    return directory
+
+
+class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor without its video processor (which needs torchvision,
+    not installed here); images and text go through the parent's own code."""
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+
+def load_hf_processor(directory: Path) -> ImageOnlyQwen2_5_VLProcessor:
+    return ImageOnlyQwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor.from_pretrained(directory),
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(directory),
+        chat_template=(directory / "chat_template.jinja").read_text(encoding="utf-8"),
+    )
+
+
+def save_processor(processor: Any, directory: Path, class_name: str) -> None:
+    """``save_pretrained``, with the processor class recorded under its Hub name."""
+    processor.save_pretrained(directory)
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        path = directory / name
+        config = json.loads(path.read_text(encoding="utf-8"))
+        config["processor_class"] = class_name
+        path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+def image_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    """A deterministic noise image as PNG."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture
+def make_image() -> Callable[..., bytes]:
+    return image_bytes
