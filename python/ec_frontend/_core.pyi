@@ -157,7 +157,9 @@ class ParsedRequest:
 
         Each part is ``{"type": "text", "text": str}`` or
         ``{"type": "image", "media_index": int}`` (an index into :attr:`media`).
-        A string content becomes one text part.
+        A string content becomes one text part. An assistant message may carry
+        ``tool_calls`` (OpenAI's list, ``arguments`` a string), a ``tool`` message
+        its ``tool_call_id``.
         """
     @property
     def prompts(self) -> list[str | list[int]] | None:
@@ -183,6 +185,16 @@ class ParsedRequest:
     def mm_processor_kwargs(self) -> dict[str, Any] | None: ...
     @property
     def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def structured(self) -> dict[str, Any] | None:
+        """Structured outputs and tools (chat, completions, responses), or ``None``.
+
+        ``{"constraint": None | {"kind": "json" | "json_object" | "regex" | "choice" |
+        "grammar", "spec": Any, "param": str}, "tools": None | [{"name", "description",
+        "parameters", "strict"}], "tool_choice": "none" | "auto" | "required" |
+        "function", "tool_name": str | None, "parallel_tool_calls": bool}``; shapes are
+        checked, the grammar itself is compiled by the engine's library.
+        """
     @property
     def add_generation_prompt(self) -> bool: ...
     @property

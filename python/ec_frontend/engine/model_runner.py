@@ -30,6 +30,7 @@ from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
 from ec_frontend.engine.model_inputs import build_model_inputs
 from ec_frontend.engine.outputs import ModelRunnerOutput
 from ec_frontend.engine.sampler import Sampler, SamplingRow, make_generator
+from ec_frontend.engine.structured_output import BitmaskFiller
 from ec_frontend.model.interface import VisionLanguageModel
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class ModelRunner:
             ]
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.sampler = Sampler()
+        self.bitmask_filler = BitmaskFiller()
         self.counters = RunnerCounters()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -254,6 +256,12 @@ class ModelRunner:
         embeds = model.embed_tokens(inputs.input_ids)
         for i, item in enumerate(batch):
             self._scatter_encoder_outputs(embeds, item, query_start[i])
+        sampling = [i for i, item in enumerate(batch) if item.sample]
+        rows = [self._sampling_row(batch[i]) for i in sampling]
+        # The grammar bitmask of constrained rows is computed while the model runs.
+        bitmask = self.bitmask_filler.start(
+            [r.grammar for r in rows], [r.output_token_ids for r in rows], model.vocab_size
+        )
         hidden = model.forward(embeds, inputs.positions, self.kv_caches, inputs.attn_metadata)
         self.counters.lm_forward_calls += 1
         self.counters.lm_tokens += inputs.num_tokens
@@ -262,13 +270,11 @@ class ModelRunner:
             self.counters.max_requests_per_forward, len(batch)
         )
 
-        sampling = [i for i, item in enumerate(batch) if item.sample]
         if not sampling:
             return
         rows_idx = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=model.device)
         logits = model.compute_logits(hidden[rows_idx])
-        rows = [self._sampling_row(batch[i]) for i in sampling]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs = self.sampler(logits, rows, bitmask)
         for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
             rid = batch[i].request_id
             out.sampled_token_ids[rid] = [token]
@@ -303,4 +309,5 @@ class ModelRunner:
             request.prompt_token_ids,
             request.output_token_ids,
             request.eos_token_ids,
+            request.grammar,
         )

@@ -16,6 +16,7 @@ from ec_frontend.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from ec_frontend.engine.structured_output import GrammarState
     from ec_frontend.model.processor import MultiModalFeature, ProcessedInputs
 
 
@@ -99,6 +100,9 @@ class Request:
         #: Prefix-cache keys of the full blocks computed so far (``block_hash``).
         self.block_hashes: list[bytes] = []
 
+        grammar = sampling_params.structured_outputs
+        #: Structured-output matcher state, advanced from ``output_token_ids``.
+        self.grammar: GrammarState | None = grammar.new_state() if grammar is not None else None
         self.kv_transfer_params = _extra_arg(sampling_params, "kv_transfer_params")
         self.ec_transfer_params = _extra_arg(sampling_params, "ec_transfer_params")
 

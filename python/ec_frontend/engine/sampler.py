@@ -1,7 +1,9 @@
 """Token selection for a batch of rows, each with its own sampling params.
 
 Order of operations per row: penalties (repetition, frequency, presence),
-``logit_bias`` and ``allowed_token_ids``, then greedy argmax, or temperature,
+``logit_bias`` and ``allowed_token_ids``, the grammar bitmask of a constrained
+row (structured outputs, see :mod:`~ec_frontend.engine.structured_output`), then
+greedy argmax, or temperature,
 top-k, top-p and min-p followed by a draw. A row with a ``seed`` draws from its
 own ``torch.Generator``, so its output does not depend on its neighbours in the
 batch. Logprobs are those of the model's raw
@@ -11,12 +13,14 @@ distribution (before penalties and temperature), as in vLLM.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from ec_frontend.engine.outputs import TokenLogprob
 from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.engine.structured_output import GrammarState, apply_bitmask, fill_bitmask
 
 
 @dataclass(slots=True)
@@ -24,7 +28,8 @@ class SamplingRow:
     """One row of the batch: its params, generator and token history.
 
     ``eos_token_ids`` are masked, with ``stop_token_ids``, until the row has
-    ``min_tokens`` output tokens (unless ``ignore_eos``).
+    ``min_tokens`` output tokens (unless ``ignore_eos``). ``grammar`` is the
+    request's structured-output state, if it has one.
     """
 
     params: SamplingParams
@@ -32,6 +37,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: Collection[int] = ()
+    grammar: GrammarState | None = None
 
     @property
     def stop_ids_masked(self) -> list[int]:
@@ -53,8 +59,14 @@ class Sampler:
     """Stateless; call it with ``[N, V]`` logits and ``N`` rows."""
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar_bitmask: Future[torch.Tensor] | torch.Tensor | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """``grammar_bitmask``: the constrained rows' bitmask, computed ahead (see
+        :class:`~ec_frontend.engine.structured_output.BitmaskFiller`); computed here
+        when a row has a grammar and none is given."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         if not rows:
@@ -73,6 +85,19 @@ class Sampler:
             for r in rows
         ):
             logits = _apply_token_masks(logits, rows)
+
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            if isinstance(grammar_bitmask, Future):
+                grammar_bitmask = grammar_bitmask.result()
+            if grammar_bitmask is None:
+                grammar_bitmask = fill_bitmask(
+                    None,
+                    [r.grammar for r in rows],
+                    [r.output_token_ids for r in rows],
+                    logits.shape[-1],
+                )
+            logits = apply_bitmask(logits, grammar_bitmask, constrained)
 
         greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
         chosen = logits.argmax(dim=-1)

@@ -68,6 +68,9 @@ class SamplingParams:
     #: No end of sequence, stop token or stop string before this many tokens.
     min_tokens: int = 0
     extra_args: dict[str, Any] | None = None
+    #: A compiled constraint (:class:`~ec_frontend.engine.structured_output.CompiledGrammar`)
+    #: that every sampled token must follow; set by the server after compiling.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if type(self.seed) is int and self.seed == NO_SEED:

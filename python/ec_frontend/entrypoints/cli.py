@@ -17,6 +17,7 @@ from ec_frontend.entrypoints.http_protocol import add_http_args, http_limits, li
 from ec_frontend.entrypoints.launcher import ServeOptions, serve
 from ec_frontend.entrypoints.limits import ResourceLimits
 from ec_frontend.entrypoints.proxy_cli import add_proxy_args, add_transfer_trust_args, run_proxy
+from ec_frontend.entrypoints.tool_parsers import TOOL_PARSERS
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
@@ -165,6 +166,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve /docs, /redoc and /openapi.json without the API key",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": tool calls are parsed out of the output '
+        "(needs --tool-call-parser)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="how tool calls are written by the model: hermes (the Qwen family's "
+        "<tool_call> format)",
+    )
     add_limit_args(p)
     add_http_args(p)
 
@@ -287,6 +301,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_engine_requests=args.max_engine_requests,
         public_metrics=args.public_metrics,
         public_docs=args.public_docs,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(options)
 

@@ -18,6 +18,8 @@ class Job:
     params: Any
     prompt_text: str | None = None
     started: bool = False
+    #: The request's :class:`~ec_frontend.entrypoints.tool_parsers.ToolPlan`, if any.
+    tools: Any = None
 
 
 @dataclass(slots=True)
@@ -38,6 +40,8 @@ class Choice:
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    #: The request's :class:`~ec_frontend.entrypoints.tool_parsers.ToolPlan`, if any.
+    tools: Any = None
 
     def add(self, out: Any) -> None:
         """Merge one engine delta; a later ``None`` never erases a param."""

@@ -71,6 +71,8 @@ class ServeOptions:
     max_engine_requests: int | None = None
     public_metrics: bool = False
     public_docs: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class StartupError(Exception):
@@ -177,6 +179,8 @@ def serve(opts: ServeOptions) -> int:
         limits=limits,
         public_metrics=opts.public_metrics,
         public_docs=opts.public_docs,
+        enable_auto_tool_choice=opts.enable_auto_tool_choice,
+        tool_call_parser=opts.tool_call_parser,
     )
     app, core = build_app(engine, config)
     uv_config = uvicorn.Config(

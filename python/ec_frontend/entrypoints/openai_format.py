@@ -18,6 +18,7 @@ from ec_frontend.entrypoints.context import DONE, RequestContext, sse, token_tex
 from ec_frontend.entrypoints.errors import engine_failure, error_body
 from ec_frontend.entrypoints.jobs import Choice, Job, first_param, usage
 from ec_frontend.entrypoints.serving import Serving
+from ec_frontend.entrypoints.tool_parsers import ChatToolStream, chat_message
 
 
 def _chat_logprob_entry(tokenizer: Any, lp: Any) -> dict[str, Any]:
@@ -82,17 +83,13 @@ def chat_body(
             "choices": [
                 {
                     "index": c.index,
-                    "message": {
-                        "role": "assistant",
-                        "content": c.text,
-                        "refusal": None,
-                        "tool_calls": [],
-                    },
+                    "message": message,
                     "logprobs": chat_logprobs(ctx.tokenizer, c.logprobs),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
                 for c in choices
+                for message, finish_reason in [chat_message(c.tools, c.text, c.finish_reason)]
             ],
             "usage": usage,
             "system_fingerprint": None,
@@ -257,12 +254,21 @@ def chat_stream(
         for j in jobs
     ]
 
+    tool_streams = {j.index: ChatToolStream(j.tools) for j in jobs if j.tools is not None}
+
     def fields(c: Choice, out: Any) -> dict[str, Any]:
         # vLLM's delta: the text, even when empty; ``{}`` only for a choice that
         # finishes without having generated anything (an abort before the first token).
         produced = bool(out.text or c.token_ids)
+        delta = {"content": out.text} if produced else {}
+        tools = tool_streams.get(c.index)
+        if tools is not None:
+            delta = tools.delta(out.text, out.finished)
+            if out.finished:
+                # Read by the caller right after this returns (the chunk's finish_reason).
+                c.finish_reason = tools.finish_reason(c.finish_reason)
         return {
-            "delta": {"content": out.text} if produced else {},
+            "delta": delta,
             "logprobs": chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs else None,
         }
 

@@ -83,6 +83,9 @@ class ServerConfig:
     public_metrics: bool = False
     #: ``/docs``, ``/redoc`` and ``/openapi.json`` answer without the API key.
     public_docs: bool = False
+    #: ``--enable-auto-tool-choice`` / ``--tool-call-parser``.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -140,6 +143,8 @@ class App:
                 offload_processing=config.offload_processing,
                 vocab_size=config.vocab_size,
                 limits=limits,
+                enable_auto_tool_choice=config.enable_auto_tool_choice,
+                tool_call_parser=config.tool_call_parser,
             ),
             self.metrics,
         )

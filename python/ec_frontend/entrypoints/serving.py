@@ -39,6 +39,7 @@ from ec_frontend.entrypoints.limits import (
     too_busy,
 )
 from ec_frontend.entrypoints.sampling import build_sampling_params
+from ec_frontend.entrypoints.structured import StructuredCompiler
 from ec_frontend.metrics import ServerMetrics
 
 #: Seconds an aborted engine request id stays reserved.
@@ -55,6 +56,10 @@ class ServingConfig:
     offload_processing: bool = True
     vocab_size: int | None = None
     limits: ResourceLimits = field(default_factory=ResourceLimits)
+    #: ``--enable-auto-tool-choice``: ``tool_choice: auto`` parses tool calls out of
+    #: the output with ``tool_call_parser``.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 #: The request field that an input error with this code is about.
@@ -70,6 +75,7 @@ class Serving:
         self.metrics = metrics
         self._active: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self.structured = StructuredCompiler(engine, config.vocab_size)
         limits = config.limits
         self.pool = (
             ProcessingPool(limits.processing_workers, limits.max_processing_queue)
@@ -201,11 +207,14 @@ class Serving:
                 code=code,
             ) from exc
 
-    async def process_chat(self, parsed: ParsedRequest) -> Any:
+    async def process_chat(self, parsed: ParsedRequest, tools: Any = None) -> Any:
         """A chat or responses request's model inputs, on the bounded processing pool.
 
         The caller has checked the request's limits (:meth:`check_limits`).
+        ``tools`` (a :class:`~ec_frontend.entrypoints.tool_parsers.ToolPlan`) are
+        rendered by the chat template.
         """
+        extra = {"tools": tools.template_tools()} if tools is not None else {}
         return await self._process(
             self.engine.processor.process_chat,
             parsed.messages,
@@ -213,7 +222,18 @@ class Serving:
             add_generation_prompt=parsed.add_generation_prompt,
             chat_template_kwargs=parsed.chat_template_kwargs,
             mm_processor_kwargs=parsed.mm_processor_kwargs,
+            **extra,
         )
+
+    async def _structured(self, parsed: ParsedRequest) -> tuple[Any, Any]:
+        """The request's compiled grammar and tool plan (400 when invalid)."""
+        structured = parsed.structured
+        if structured is None:
+            return None, None
+        auto = self.config.enable_auto_tool_choice and self.config.tool_call_parser is not None
+        if parsed.endpoint == "responses":
+            structured = {**structured, "endpoint": "responses"}
+        return await self.run_processing(self.structured.compile, structured, auto_tools=auto)
 
     async def make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
         """Process inputs and build one :class:`Job` per engine request."""
@@ -221,9 +241,10 @@ class Serving:
         endpoint = parsed.endpoint
         self._check_media(parsed)
         self.check_limits(parsed)
+        grammar, tools = await self._structured(parsed)
         prompts: list[tuple[Any, str, str | None]] = []
         if endpoint in ("chat", "responses"):
-            prompts.append((await self.process_chat(parsed), "messages", None))
+            prompts.append((await self.process_chat(parsed, tools), "messages", None))
         elif endpoint == "completions":
             for i, prompt in enumerate(parsed.prompts or []):
                 inputs = await self._process(processor.process_prompt, prompt)
@@ -253,8 +274,9 @@ class Serving:
                 params = build_sampling_params(
                     sampling, choice=i, vocab_size=self.config.vocab_size
                 )
+                params.structured_outputs = grammar
                 rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
-                jobs.append(Job(p * n + i, p, rid, inputs, params, text))
+                jobs.append(Job(p * n + i, p, rid, inputs, params, text, tools=tools))
         return jobs
 
     def shutdown(self) -> None:
@@ -477,6 +499,7 @@ class Serving:
             job.request_id,
             job.inputs.prompt_token_ids,
             job.prompt_text,
+            tools=job.tools,
         )
 
 

@@ -16,7 +16,9 @@ Every rejected input raises :class:`InputError`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -180,9 +182,12 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ProcessedInputs:
         """Render ``messages`` (parts ``text`` / ``image`` with ``media_index``),
-        tokenize, and expand each image's placeholder."""
+        tokenize, and expand each image's placeholder. ``tools`` (OpenAI's function
+        tools) go to the chat template; an assistant message's tool call arguments
+        are given to it as objects, as Hugging Face templates expect."""
         order = _image_order(messages, len(media))
         size = self._processor_size(mm_processor_kwargs) if order else None
         kwargs = dict(chat_template_kwargs or {})
@@ -193,8 +198,10 @@ class InputProcessor:
             )
         try:
             with self._lock:
+                if tools is not None:
+                    kwargs["tools"] = list(tools)
                 text = self.tokenizer.apply_chat_template(
-                    list(messages),
+                    [_template_message(m) for m in messages],
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     **kwargs,
@@ -377,6 +384,21 @@ class InputProcessor:
                 code="invalid_image_embeds",
             )
         return t, h, w
+
+
+def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``message`` with its tool calls' JSON ``arguments`` decoded (text that is not
+    JSON is left as it is)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    decoded = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        with contextlib.suppress(ValueError):
+            fn["arguments"] = json.loads(fn.get("arguments") or "{}")
+        decoded.append({**call, "function": fn})
+    return {**message, "tool_calls": decoded}
 
 
 def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:

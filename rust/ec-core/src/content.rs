@@ -14,10 +14,11 @@ fn role(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<Role> {
         "system" | "developer" => Ok(Role::System),
         "user" => Ok(Role::User),
         "assistant" => Ok(Role::Assistant),
+        "tool" => Ok(Role::Tool),
         other => Err(value_error(
             path,
             format!(
-                "unsupported role '{}': expected system, developer, user or assistant",
+                "unsupported role '{}': expected system, developer, user, assistant or tool",
                 clip(other)
             ),
         )),
@@ -66,14 +67,56 @@ pub fn chat_messages(
         object(m, &mp)?;
         let role = role(m.get("role"), &mp.key("role"))?;
         let cp = mp.key("content");
+        let tool_calls = match present(m.get("tool_calls")) {
+            Some(v) if role == Role::Assistant => Some(tool_calls(v, &mp.key("tool_calls"))?),
+            _ => None,
+        };
         let content = match present(m.get("content")) {
             None if role == Role::Assistant => Vec::new(),
             None => return Err(missing(&cp)),
             Some(v) => content_parts(v, &cp, media, chat_part)?,
         };
-        out.push(Message { role, content });
+        let tool_call_id = match present(m.get("tool_call_id")) {
+            Some(v) if role == Role::Tool => Some(string(v, &mp.key("tool_call_id"))?.to_owned()),
+            _ => None,
+        };
+        out.push(Message {
+            role,
+            content,
+            tool_calls,
+            tool_call_id,
+        });
     }
     Ok(out)
+}
+
+/// An assistant message's `tool_calls`: each `{"id", "type": "function", "function":
+/// {"name", "arguments"}}` with `arguments` a string (JSON, as OpenAI sends it).
+fn tool_calls(v: &Value<'_>, path: &Path<'_>) -> Result<crate::value::OwnedValue> {
+    for (i, call) in array(v, path)?.iter().enumerate() {
+        let cp = path.index(i);
+        object(call, &cp)?;
+        if let Some(id) = present(call.get("id")) {
+            string(id, &cp.key("id"))?;
+        }
+        if let Some(t) = present(call.get("type")) {
+            let tp = cp.key("type");
+            if string(t, &tp)? != "function" {
+                return Err(value_error(&tp, "a tool call's type must be 'function'"));
+            }
+        }
+        let fp = cp.key("function");
+        let f = present(call.get("function")).ok_or_else(|| missing(&fp))?;
+        object(f, &fp)?;
+        let np = fp.key("name");
+        string(present(f.get("name")).ok_or_else(|| missing(&np))?, &np)?;
+        let ap = fp.key("arguments");
+        string(
+            present(f.get("arguments")).ok_or_else(|| missing(&ap))?,
+            &ap,
+        )?;
+    }
+    Ok(v.to_owned_value())
 }
 
 /// A message's `content`: a string (one text part) or an array of parts, each read by
@@ -218,21 +261,21 @@ pub fn responses_input(
 ) -> Result<Vec<Message>> {
     let mut out = Vec::new();
     if let Some(text) = instructions {
-        out.push(Message {
-            role: Role::System,
-            content: vec![Part::Text {
+        out.push(Message::new(
+            Role::System,
+            vec![Part::Text {
                 text: text.to_owned(),
             }],
-        });
+        ));
     }
     match v {
         Value::String(s) => {
-            out.push(Message {
-                role: Role::User,
-                content: vec![Part::Text {
+            out.push(Message::new(
+                Role::User,
+                vec![Part::Text {
                     text: s.to_string(),
                 }],
-            });
+            ));
         }
         Value::Array(items) => {
             check_count(items.len(), limits, path)?;
@@ -277,7 +320,7 @@ fn responses_item(
         None => return Err(missing(&cp)),
         Some(v) => content_parts(v, &cp, media, responses_part)?,
     };
-    Ok(Message { role, content })
+    Ok(Message::new(role, content))
 }
 
 fn responses_part(

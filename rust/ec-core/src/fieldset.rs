@@ -56,9 +56,15 @@ pub enum F {
     ReturnTokenIds,
     OutputMode,
     StreamInterval,
+    ResponseFormat,
+    StructuredOutputs,
+    Text,
+    Tools,
+    ToolChoice,
+    ParallelToolCalls,
 }
 
-const COUNT: usize = F::StreamInterval as usize + 1;
+const COUNT: usize = F::ParallelToolCalls as usize + 1;
 
 impl F {
     /// The field of a key, on any endpoint.
@@ -111,6 +117,12 @@ impl F {
             "return_token_ids" => F::ReturnTokenIds,
             "output_mode" => F::OutputMode,
             "stream_interval" => F::StreamInterval,
+            "response_format" => F::ResponseFormat,
+            "structured_outputs" => F::StructuredOutputs,
+            "text" => F::Text,
+            "tools" => F::Tools,
+            "tool_choice" => F::ToolChoice,
+            "parallel_tool_calls" => F::ParallelToolCalls,
             _ => return None,
         })
     }
@@ -173,6 +185,12 @@ const NAMES: [&str; COUNT] = [
     "return_token_ids",
     "output_mode",
     "stream_interval",
+    "response_format",
+    "structured_outputs",
+    "text",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ];
 
 /// A set of fields.
@@ -247,6 +265,11 @@ pub const CHAT: Mask = COMMON.union(SAMPLING).union(Mask::of(&[
     F::ChatTemplateKwargs,
     F::AddGenerationPrompt,
     F::Echo,
+    F::ResponseFormat,
+    F::StructuredOutputs,
+    F::Tools,
+    F::ToolChoice,
+    F::ParallelToolCalls,
 ]));
 
 /// `/v1/completions`.
@@ -255,6 +278,8 @@ pub const COMPLETIONS: Mask = COMMON.union(SAMPLING).union(Mask::of(&[
     F::Echo,
     F::ReturnTokenIds,
     F::StreamInterval,
+    F::ResponseFormat,
+    F::StructuredOutputs,
 ]));
 
 /// `/v1/responses` (no `n`, no `max_tokens`, logprobs through `top_logprobs`).
@@ -278,6 +303,11 @@ pub const RESPONSES: Mask = COMMON.union(Mask::of(&[
     F::IncludeStopStrInOutput,
     F::ChatTemplateKwargs,
     F::LogitBias,
+    F::StructuredOutputs,
+    F::Text,
+    F::Tools,
+    F::ToolChoice,
+    F::ParallelToolCalls,
 ]));
 
 /// `/inference/v1/generate` top level.
@@ -369,12 +399,6 @@ enum NoOp {
     Empty,
     /// `null` or this string.
     Str(&'static str),
-    /// `null` or `{"type": "text"}` (`response_format`).
-    TextFormat,
-    /// `null` or `{"format": {"type": "text"}}` (Responses' `text`).
-    TextConfig,
-    /// `null`, `"none"` or `"auto"` (no tools are accepted, so neither calls one).
-    ToolChoice,
 }
 
 /// Which endpoints a refusal applies to.
@@ -389,12 +413,7 @@ const G: u8 = 8;
 /// value is refused. docs/compatibility.md lists the same table.
 #[rustfmt::skip]
 const UNSUPPORTED: &[(&str, u8, NoOp, &str)] = &[
-    ("response_format", C | P, NoOp::TextFormat, "structured outputs are not supported yet"),
-    ("structured_outputs", C | P | R, NoOp::Null, "structured outputs are not supported yet"),
-    ("text", R, NoOp::TextConfig, "structured outputs are not supported yet"),
-    ("tools", C | R, NoOp::Empty, "tool calling is not supported yet"),
-    ("tool_choice", C | R, NoOp::ToolChoice, "tool calling is not supported yet"),
-    ("max_tool_calls", R, NoOp::Null, "tool calling is not supported yet"),
+    ("max_tool_calls", R, NoOp::Null, "a limit on tool calls is not supported"),
     ("reasoning_effort", C, NoOp::Null, "reasoning controls are not supported"),
     ("reasoning", R, NoOp::Null, "reasoning controls are not supported"),
     ("thinking_token_budget", C | P, NoOp::Null, "reasoning controls are not supported"),
@@ -441,11 +460,6 @@ fn harmless(rule: NoOp, v: &Value<'_>) -> bool {
         Value::Object(members) => members.is_empty(),
         _ => false,
     };
-    let text_type = |v: Option<&Value<'_>>| {
-        matches!(v, Some(Value::Object(_)))
-            && v.and_then(|v| v.get("type"))
-                .is_some_and(|t| matches!(t, Value::String(s) if s == "text"))
-    };
     matches!(v, Value::Null)
         || match rule {
             NoOp::Null => false,
@@ -454,9 +468,6 @@ fn harmless(rule: NoOp, v: &Value<'_>) -> bool {
             NoOp::Int(i) => integer(v, &at).is_ok_and(|n| n == i),
             NoOp::Empty => empty(v),
             NoOp::Str(s) => matches!(v, Value::String(x) if x == s),
-            NoOp::TextFormat => text_type(Some(v)),
-            NoOp::TextConfig => text_type(v.get("format")),
-            NoOp::ToolChoice => matches!(v, Value::String(s) if s == "none" || s == "auto"),
         }
 }
 

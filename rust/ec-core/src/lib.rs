@@ -17,6 +17,7 @@ mod parse;
 pub mod path;
 pub mod request;
 pub mod sampling;
+pub mod structured;
 pub mod value;
 
 pub use error::RequestError;

@@ -205,6 +205,9 @@ pub fn parse_request(
             req.token_ids = Some(ids);
         }
     }
+    if endpoint != Endpoint::Generate {
+        req.structured = crate::structured::structured(&fields, endpoint)?;
+    }
     req.media = media.items;
 
     let mut take = |i: usize| {

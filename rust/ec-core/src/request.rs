@@ -110,6 +110,8 @@ pub enum Role {
     System,
     User,
     Assistant,
+    /// A tool's result (`tool_call_id` names the call it answers).
+    Tool,
 }
 
 impl Role {
@@ -118,6 +120,7 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -136,10 +139,29 @@ pub enum Part {
 }
 
 /// A chat message with its content as parts.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Message {
     pub role: Role,
     pub content: Vec<Part>,
+    /// An assistant message's `tool_calls` (checked: `id`, `type`, `function.name`,
+    /// `function.arguments`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<OwnedValue>,
+    /// A tool message's `tool_call_id`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    /// A message with no tool fields.
+    pub fn new(role: Role, content: Vec<Part>) -> Self {
+        Self {
+            role,
+            content,
+            tool_calls: None,
+            tool_call_id: None,
+        }
+    }
 }
 
 /// A completions prompt.
@@ -245,6 +267,9 @@ pub struct ParsedRequest {
     /// vLLM's tenant salt (chat, completions, responses): it enters every media key of
     /// the request, so requests with different salts never share an encoder-cache entry.
     pub cache_salt: Option<String>,
+    /// Structured outputs and tools, normalized (see [`crate::structured`]); `None`
+    /// when the request constrains nothing and offers no tools.
+    pub structured: Option<OwnedValue>,
     /// Top-level fields accepted and ignored (`sampling_params.x` for generate).
     pub unknown_fields: Vec<String>,
 }
@@ -276,6 +301,7 @@ impl ParsedRequest {
             echo: false,
             instructions: None,
             cache_salt: None,
+            structured: None,
             unknown_fields: Vec::new(),
         }
     }

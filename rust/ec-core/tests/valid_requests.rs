@@ -31,7 +31,7 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"n":3}"#.into(), "/sampling/n", json!(3)),
         (Endpoint::Chat, r#"{"messages":[{"role":"developer","content":"be brief"},{"role":"user","content":"hi"}]}"#.into(), "/messages/0/role", json!("system")),
         (Endpoint::Chat, r#"{"messages":[{"role":"assistant","content":null},{"role":"user","content":"hi"}]}"#.into(), "/messages/0/content", json!([])),
-        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"surprise":{"x":1},"tools":[]}"#.into(), "/unknown_fields", json!(["surprise", "tools"])),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"surprise":{"x":1},"also_unknown":[]}"#.into(), "/unknown_fields", json!(["surprise", "also_unknown"])),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"prompt":"x"}"#.into(), "/unknown_fields", json!(["prompt"])),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"enable_thinking":false}}"#.into(), "/chat_template_kwargs", json!({"enable_thinking": false})),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}"#.into(), "/add_generation_prompt", json!(false)),

@@ -7,7 +7,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
-use crate::convert::opt_value_to_py;
+use crate::convert::{opt_value_to_py, value_to_py};
 
 /// Bounds applied while parsing. All sizes are in bytes.
 #[pyclass(module = "ec_frontend._core", name = "Limits")]
@@ -296,6 +296,7 @@ fn role_to_py(py: Python<'_>, role: Role) -> &Bound<'_, PyString> {
         Role::System => intern!(py, "system"),
         Role::User => intern!(py, "user"),
         Role::Assistant => intern!(py, "assistant"),
+        Role::Tool => intern!(py, "tool"),
     }
 }
 
@@ -320,6 +321,12 @@ fn messages_to_py<'py>(py: Python<'py>, messages: &[Message]) -> PyResult<Bound<
         let msg = PyDict::new(py);
         msg.set_item(intern!(py, "role"), role_to_py(py, m.role))?;
         msg.set_item(intern!(py, "content"), PyList::new(py, parts)?)?;
+        if let Some(calls) = &m.tool_calls {
+            msg.set_item(intern!(py, "tool_calls"), value_to_py(py, calls)?)?;
+        }
+        if let Some(id) = &m.tool_call_id {
+            msg.set_item(intern!(py, "tool_call_id"), PyString::new(py, id))?;
+        }
         out.push(msg);
     }
     PyList::new(py, out)
@@ -456,6 +463,11 @@ impl PyParsedRequest {
     #[getter]
     fn chat_template_kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         opt_value_to_py(py, self.inner.chat_template_kwargs.as_ref())
+    }
+    /// Structured outputs and tools, normalized (`None` when the request has neither).
+    #[getter]
+    fn structured<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        opt_value_to_py(py, self.inner.structured.as_ref())
     }
     #[getter]
     fn add_generation_prompt(&self) -> bool {

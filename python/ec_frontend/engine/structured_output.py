@@ -1,0 +1,294 @@
+"""Constrained decoding: grammars compiled once per spec, a matcher per request,
+token bitmasks for the whole batch each step.
+
+The library is llguidance (``docs/structured_outputs.md`` says why). The pieces:
+
+* :class:`GrammarCompiler` turns a constraint (a JSON schema, ``json_object``, a
+  regex, a list of choices, a Lark or GBNF grammar) into a validated
+  :class:`CompiledGrammar`, cached by the spec's canonical JSON. The server calls it
+  on its input-processing threads, never on the engine's step loop; an invalid
+  spec raises :class:`StructuredOutputError` naming the request parameter.
+* :class:`GrammarState` is one request's matcher. It is advanced lazily, from the
+  request's own ``output_token_ids``, right before its next mask: a decode instance
+  that received the first token from prefill, or a preempted request, catches up
+  over the tokens it already has, with no hook in the scheduler.
+* :class:`BitmaskFiller` computes the ``[rows, ceil(V / 32)]`` int32 bitmask of a
+  step's constrained rows on a worker thread (llguidance releases the GIL), started
+  before the model's forward and collected before sampling;
+  :func:`apply_bitmask` sets the disallowed logits of those rows to ``-inf`` in one
+  batched write.
+
+A matcher that reaches an accepting state allows the end-of-sequence tokens; one
+that has stopped (the grammar is complete) allows only those. A matcher in an error
+state (a token it refused was forced in, e.g. by ``min_tokens``) allows only
+end-of-sequence, so the request ends instead of emitting unconstrained text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Options of llguidance's JSON-schema compiler: compact separators, no free
+#: whitespace (a model could otherwise spend its whole budget on spaces).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+#: Compiled grammars kept per compiler.
+CACHE_SIZE = 512
+#: Constraint kinds a request may ask for.
+KINDS = frozenset({"json", "json_object", "regex", "choice", "grammar", "lark"})
+
+
+class StructuredOutputError(ValueError):
+    """A constraint the library cannot compile; ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledGrammar:
+    """A validated llguidance grammar and the tokenizer it runs over."""
+
+    kind: str
+    grammar: str
+    tokenizer: LLTokenizer
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(self)
+
+
+class GrammarState:
+    """One request's matcher, advanced over its output tokens before each mask.
+
+    Created on the engine thread without compiling anything: the matcher itself is
+    built on the bitmask worker at the first mask (llguidance builds its lexer
+    there, with the GIL released).
+    """
+
+    __slots__ = ("_matcher", "failed", "grammar", "num_consumed")
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self._matcher: LLMatcher | None = None
+        self.num_consumed = 0
+        self.failed = False
+
+    @property
+    def matcher(self) -> LLMatcher:
+        if self._matcher is None:
+            self._matcher = LLMatcher(self.grammar.tokenizer, self.grammar.grammar)
+        return self._matcher
+
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Advance over the tokens generated since the last call."""
+        n = len(output_token_ids)
+        if n <= self.num_consumed or self.failed:
+            self.num_consumed = max(self.num_consumed, n)
+            return
+        matcher = self.matcher
+        new = list(output_token_ids[self.num_consumed : n])
+        self.num_consumed = n
+        if matcher.is_stopped():
+            return
+        if not matcher.consume_tokens(new):
+            self.failed = True
+            logger.warning("constrained request left its grammar: %s", matcher.get_error())
+
+    def is_finished(self) -> bool:
+        """The grammar is complete: only end-of-sequence may follow."""
+        return self._matcher is not None and self._matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Constraint specs -> :class:`CompiledGrammar`, cached; safe to call from threads."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        eos = sorted(set(eos_token_ids)) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=eos
+        )
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def compile(self, kind: str, spec: Any, param: str) -> CompiledGrammar:
+        """The grammar of a constraint; :class:`StructuredOutputError` if it is invalid."""
+        if kind not in KINDS:
+            raise StructuredOutputError(f"unknown constraint kind {kind!r}", param)
+        key = (kind, json.dumps(spec, sort_keys=True, ensure_ascii=False))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        grammar = self._build(kind, spec, param)
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise StructuredOutputError(f"invalid {_WHAT[kind]} in '{param}': {error}", param)
+        compiled = CompiledGrammar(kind, grammar, self.tokenizer)
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def _build(kind: str, spec: Any, param: str) -> str:
+        try:
+            if kind == "json":
+                schema = json.loads(spec) if isinstance(spec, str) else spec
+                if not isinstance(schema, dict | bool):
+                    raise ValueError("a JSON schema must be an object or a boolean")
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            if kind == "json_object":
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if kind == "regex":
+                return LLMatcher.grammar_from_regex(spec)
+            if kind == "choice":
+                return llguidance.grammar_from("choice", list(spec))  # type: ignore[arg-type]
+            if kind == "grammar":
+                return llguidance.grammar_from("grammar", spec)
+            return LLMatcher.grammar_from_lark(spec)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise StructuredOutputError(
+                f"invalid {_WHAT[kind]} in '{param}': {exc}", param
+            ) from exc
+
+
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "JSON object constraint",
+    "regex": "regular expression",
+    "choice": "choice list",
+    "grammar": "grammar",
+    "lark": "grammar",
+}
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class BitmaskFiller:
+    """Fills the bitmask of a step's constrained rows, on one worker thread.
+
+    ``start`` returns a future so that the caller can run the model meanwhile;
+    the work itself (catching each matcher up, then computing all masks with
+    llguidance's parallel executor) releases the GIL.
+    """
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._num_threads = num_threads
+
+    def _ensure(self) -> tuple[ThreadPoolExecutor, llguidance.LLExecutor]:
+        if self._pool is None or self._executor is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+            self._executor = llguidance.LLExecutor(self._num_threads)
+        return self._pool, self._executor
+
+    def start(
+        self,
+        states: Sequence[GrammarState | None],
+        outputs: Sequence[Sequence[int]],
+        vocab_size: int,
+    ) -> Future[torch.Tensor] | None:
+        """The bitmask (one row per entry of ``states``) computed in the background;
+        ``None`` when no entry is constrained."""
+        if all(s is None for s in states):
+            return None
+        pool, executor = self._ensure()
+        return pool.submit(fill_bitmask, executor, list(states), list(outputs), vocab_size)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def fill_bitmask(
+    executor: llguidance.LLExecutor | None,
+    states: Sequence[GrammarState | None],
+    outputs: Sequence[Sequence[int]],
+    vocab_size: int,
+) -> torch.Tensor:
+    """``[len(states), ceil(V / 32)]`` int32: bit ``t`` of row ``i`` set when token ``t``
+    is allowed; unconstrained rows allow everything."""
+    mask = torch.full((len(states), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    work: list[tuple[LLMatcher, int]] = []
+    for i, state in enumerate(states):
+        if state is None:
+            continue
+        state.sync(outputs[i])
+        if state.failed:
+            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+        else:
+            work.append((state.matcher, i))
+    if work:
+        if executor is None:
+            for matcher, i in work:
+                row = mask[i]
+                matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        else:
+            executor.unsafe_compute_mask_ptr(work, mask.data_ptr(), mask.shape[1] * 4, len(states))
+        for _, i in work:
+            if not bool(mask[i].any()):
+                # Nothing allowed (a matcher that failed inside the library): end.
+                _only(mask[i], states[i].grammar.tokenizer.eos_tokens)  # type: ignore[union-attr]
+    return mask
+
+
+def _only(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+    row.zero_()
+    for t in token_ids:
+        row[t // 32] |= _bit(t % 32)
+
+
+def _bit(shift: int) -> int:
+    # Bit 31 of an int32 is its sign bit.
+    value = 1 << shift
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, V]`` bool (True: allowed) from ``[rows, ceil(V / 32)]`` int32."""
+    device = bitmask.device
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """``logits`` with the disallowed tokens of ``rows`` set to ``-inf`` (``bitmask``
+    has one row per row of ``logits``; a new tensor)."""
+    index = torch.tensor(list(rows), dtype=torch.int64)
+    allowed = unpack_bitmask(bitmask.index_select(0, index).to(logits.device), logits.shape[-1])
+    out = logits.clone()
+    dev_index = index.to(logits.device)
+    out[dev_index] = out[dev_index].masked_fill(~allowed, float("-inf"))
+    return out

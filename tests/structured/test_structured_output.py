@@ -1,0 +1,182 @@
+"""Grammar compilation, per-request matcher state and the sampler's batched bitmask,
+with the built-in model's real tokenizer and random logits (no server)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from ec_frontend.engine.sampler import Sampler, SamplingRow
+from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.engine.structured_output import (
+    BitmaskFiller,
+    GrammarCompiler,
+    StructuredOutputError,
+    apply_bitmask,
+    fill_bitmask,
+    unpack_bitmask,
+)
+from transformers import AutoTokenizer
+
+from .schemas import random_schema
+
+VOCAB = 576  # the built-in model's logits (its tokenizer has fewer tokens)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(builtin_model_dir: Path):
+    return AutoTokenizer.from_pretrained(builtin_model_dir)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "param", "needle"),
+    [
+        ("json", {"type": "strin"}, "response_format.json_schema.schema", "strin"),
+        ("json", {"not": {"type": "string"}}, "text.format.schema", "not"),
+        ("json", {"type": "string", "pattern": "(("}, "structured_outputs.json", "unclosed group"),
+        ("json", "{not json", "structured_outputs.json", "JSON schema"),
+        ("json", "[1, 2]", "structured_outputs.json", "object or a boolean"),
+        ("regex", "a(b", "structured_outputs.regex", "regex"),
+        ("grammar", "start: undefined_rule", "structured_outputs.grammar", "undefined_rule"),
+        ("grammar", "root ::= (", "structured_outputs.grammar", "grammar"),
+    ],
+)
+def test_invalid_specs_name_the_parameter(
+    compiler: GrammarCompiler, kind: str, spec: object, param: str, needle: str
+) -> None:
+    with pytest.raises(StructuredOutputError) as info:
+        compiler.compile(kind, spec, param)
+    assert info.value.param == param
+    assert needle in info.value.message
+
+
+def test_compilation_is_cached_by_spec(compiler: GrammarCompiler) -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "null"}}}
+    first = compiler.compile("json", schema, "p")
+    hits = compiler.hits
+    reordered = {"properties": {"a": {"type": "null"}, "b": {"type": "integer"}}, "type": "object"}
+    assert compiler.compile("json", reordered, "other.param") is first
+    assert compiler.hits == hits + 1
+    assert compiler.compile("json_object", None, "p") is not first
+
+
+def _walk(compiler: GrammarCompiler, kind: str, spec: object, seed: int, limit: int = 400):
+    """Constrained random walk: sample among the allowed tokens until EOS."""
+    grammar = compiler.compile(kind, spec, "p")
+    state = grammar.new_state()
+    rng = random.Random(seed)
+    out: list[int] = []
+    eos = set(grammar.tokenizer.eos_tokens)
+    for _ in range(limit):
+        mask = fill_bitmask(None, [state], [out], VOCAB)
+        allowed = unpack_bitmask(mask, VOCAB)[0].nonzero().flatten().tolist()
+        token = rng.choice(allowed)
+        if token in eos:
+            return out, True
+        out.append(token)
+    return out, False
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_walk_is_always_valid(tokenizer, compiler: GrammarCompiler, seed: int) -> None:
+    schema = random_schema(random.Random(seed))
+    tokens, finished = _walk(compiler, "json", schema, seed)
+    assert finished
+    jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)
+
+
+def test_regex_and_choice(tokenizer, compiler: GrammarCompiler) -> None:
+    import re
+
+    for seed in range(10):
+        tokens, _ = _walk(compiler, "regex", r"[a-z]{2,4}-[0-9]{1,3}", seed)
+        assert re.fullmatch(r"[a-z]{2,4}-[0-9]{1,3}", tokenizer.decode(tokens))
+        tokens, _ = _walk(compiler, "choice", ["red", "green", "blue sky"], seed)
+        assert tokenizer.decode(tokens) in ("red", "green", "blue sky")
+
+
+def test_state_catches_up_over_tokens_it_did_not_sample(compiler: GrammarCompiler) -> None:
+    """A decode instance (or a preempted request) syncs over output it already has:
+    its masks then equal those of the state that sampled them."""
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}}}
+    tokens, _ = _walk(compiler, "json", schema, seed=3)
+    grammar = compiler.compile("json", schema, "p")
+    for cut in (1, len(tokens) // 2, len(tokens)):
+        walked = grammar.new_state()
+        for i in range(cut + 1):
+            expected = fill_bitmask(None, [walked], [tokens[:i]], VOCAB)
+        late = grammar.new_state()
+        assert torch.equal(fill_bitmask(None, [late], [tokens[:cut]], VOCAB), expected)
+
+
+def test_a_state_forced_off_its_grammar_allows_only_eos(compiler: GrammarCompiler) -> None:
+    grammar = compiler.compile("regex", "[0-9]+", "p")
+    state = grammar.new_state()
+    letter = compiler.tokenizer.tokenize_str("x")[0]
+    mask = fill_bitmask(None, [state], [[letter]], VOCAB)
+    assert state.failed
+    assert unpack_bitmask(mask, VOCAB)[0].nonzero().flatten().tolist() == sorted(
+        compiler.tokenizer.eos_tokens
+    )
+
+
+def test_unpack_matches_bit_by_bit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 18), dtype=torch.int32, generator=gen)
+    allowed = unpack_bitmask(mask, VOCAB)
+    for row in range(3):
+        for t in range(0, VOCAB, 7):
+            bit = (int(mask[row, t // 32]) >> (t % 32)) & 1
+            assert bool(allowed[row, t]) == bool(bit)
+    logits = torch.zeros(3, VOCAB)
+    out = apply_bitmask(logits, mask, [1])
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.equal(out[1] == 0, allowed[1])
+
+
+def test_sampler_batch_mixes_constrained_and_free_rows(
+    tokenizer, compiler: GrammarCompiler
+) -> None:
+    """Batch 8 over random logits: constrained rows end valid; free rows get exactly
+    the tokens they get in a batch without any grammar."""
+    schemas = [random_schema(random.Random(100 + i)) for i in range(4)]
+    grammars = [compiler.compile("json", s, "p") for s in schemas]
+    states = [g.new_state() for g in grammars] + [None] * 4
+    outputs: list[list[int]] = [[] for _ in range(8)]
+    done = [False] * 8
+    eos = set(compiler.tokenizer.eos_tokens)
+    gen = torch.Generator().manual_seed(7)
+    sampler = Sampler()
+    filler = BitmaskFiller(num_threads=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=None)
+    try:
+        for _ in range(400):
+            logits = torch.randn(8, VOCAB, generator=gen) * 3
+            rows = [SamplingRow(greedy, None, [1], outputs[i], (), states[i]) for i in range(8)]
+            future = filler.start([r.grammar for r in rows], outputs, VOCAB)
+            tokens, _ = sampler(logits, rows, future)
+            free, _ = sampler(logits[4:], rows[4:])
+            assert tokens[4:] == free
+            for i, t in enumerate(tokens):
+                if done[i] or i >= 4:
+                    continue
+                if t in eos:
+                    done[i] = True
+                else:
+                    outputs[i].append(t)
+            if all(done[:4]):
+                break
+    finally:
+        filler.shutdown()
+    assert all(done[:4])
+    for schema, out in zip(schemas, outputs[:4], strict=False):
+        jsonschema.validate(json.loads(tokenizer.decode(out)), schema)
