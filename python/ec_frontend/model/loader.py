@@ -120,8 +120,11 @@ def resolve_model_path(model: str | Path) -> Path:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     patterns = list(HUB_FILE_PATTERNS)
+    cache = _hub_cache_dir()
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+        return Path(
+            snapshot_download(name, allow_patterns=patterns, cache_dir=cache, local_files_only=True)
+        )
     except LocalEntryNotFoundError:
         pass
     except HFValidationError as exc:
@@ -133,11 +136,21 @@ def resolve_model_path(model: str | Path) -> Path:
             f"{name}`, or unset HF_HUB_OFFLINE)"
         )
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns))
+        return Path(snapshot_download(name, allow_patterns=patterns, cache_dir=cache))
     except Exception as exc:
         raise ModelLoadError(
             f"--model {name!r}: download from the Hugging Face hub failed: {exc}"
         ) from None
+
+
+def _hub_cache_dir() -> str | None:
+    """The Hugging Face hub cache as the environment names it now (``huggingface_hub``
+    reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]) / "hub")
+    return None
 
 
 def load_config(path: str | Path) -> PretrainedConfig:
@@ -285,24 +298,42 @@ def _set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
 
 
+#: Values in the pool dummy weights are tiled from (a prime, so no row of a weight
+#: matrix repeats another).
+_DUMMY_POOL = 1_000_003
+
+
 def _fill_random(
     module: nn.Module, device: torch.device, dtype: torch.dtype, gen: torch.Generator
 ) -> None:
     """Seeded weights that keep activations of order one: norms at 1 (bias 0), other
-    biases small, matrices with standard deviation ``1/sqrt(fan_in)``."""
+    biases small, matrices with standard deviation ``1/sqrt(fan_in)``.
+
+    Values come from one seeded pool of standard normals, each parameter reading it
+    from its own offset and wrapping around: filling billions of values then costs
+    a memory copy, not a random draw each (minutes on a CPU at 7B).
+    """
+    pool = torch.randn(_DUMMY_POOL, generator=gen).to(device=device, dtype=dtype)
+    index = 0
     for owner_name, owner in module.named_modules():
         is_norm = "norm" in type(owner).__name__.lower()
         for attr, param in list(owner.named_parameters(recurse=False)):
-            shape = tuple(param.shape)
+            value = torch.empty(param.shape, device=device, dtype=dtype)
             if is_norm:
-                value = torch.ones(shape) if attr == "weight" else torch.zeros(shape)
-            elif param.ndim == 1:
-                value = torch.randn(shape, generator=gen) * 0.02
+                value.fill_(1.0 if attr == "weight" else 0.0)
             else:
-                fan_in = param[0].numel()
-                value = torch.randn(shape, generator=gen) * fan_in**-0.5
-            name = f"{owner_name}.{attr}" if owner_name else attr
-            _set_parameter(module, name, value.to(device=device, dtype=dtype))
+                _tile(value.view(-1), pool, index * 7919 % _DUMMY_POOL)
+                value.mul_(0.02 if param.ndim == 1 else param[0].numel() ** -0.5)
+            index += 1
+            _set_parameter(module, f"{owner_name}.{attr}" if owner_name else attr, value)
+
+
+def _tile(flat: torch.Tensor, pool: torch.Tensor, start: int) -> None:
+    pos, cursor, n = 0, start, flat.numel()
+    while pos < n:
+        take = min(n - pos, pool.numel() - cursor)
+        flat[pos : pos + take].copy_(pool[cursor : cursor + take])
+        pos, cursor = pos + take, 0
 
 
 def _safetensors_device(device: torch.device) -> str:
