@@ -22,6 +22,7 @@ _EC_CONNECTORS: dict[str, str] = {
     "ECExampleConnector": "ec_frontend.connectors.example_storage:ECExampleConnector",
     "NoOpECConnector": "ec_frontend.connectors.noop:NoOpECConnector",
     "ECSideChannelConnector": "ec_frontend.connectors.ec_side_channel:ECSideChannelConnector",
+    "MooncakeStoreECConnector": "ec_frontend.connectors.mooncake_store:MooncakeStoreECConnector",
 }
 
 _KV_CONNECTORS: dict[str, str] = {

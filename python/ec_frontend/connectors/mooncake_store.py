@@ -1,0 +1,474 @@
+"""``MooncakeStoreECConnector``: encoder outputs in Mooncake Store, under vLLM's keys.
+
+The encoder (``ec_producer``) puts each encoder output it computes into Mooncake
+Store; consumers (``ec_consumer``: PD or prefill instances, any number of them)
+get it by key, as often as they need it: the store's master, not a producer,
+decides how long an item lives (capacity, eviction, replication, leases).
+``has_cache_item`` is a store lookup, so a consumer loads any item any encoder
+has put, with or without ``ec_transfer_params``; an encoder that finds an item
+already stored does not put it again.
+
+Keys and values are those of vLLM 0.33's Mooncake Store embedding cache
+(``vllm/distributed/ec_transfer/ec_connector/mooncake_store_embedding``)::
+
+    [<embedding_cache_prefix>@]embedding@model:<model>@revision:<revision>
+        @encoder:<encoder>@dtype:<torch dtype>@protocol:v3@id:<mm_hash>
+
+    value = struct "<IIQQ" (magic 0x4D4F4F4E, dtype code, num_tokens, hidden)
+            followed by the row-major [num_tokens, hidden] tensor bytes
+
+(dtype codes: float32 0, float16 11, bfloat16 12). A value whose header is
+not that, or whose row count differs from the item's placeholder count, or
+that holds NaN/Inf, is a miss: the runner encodes the item locally when it
+can (``ec_load_fallbacks_total``) and fails the request cleanly when it
+cannot.
+
+``ec_connector_extra_config`` (over the JSON file at ``$MOONCAKE_CONFIG_PATH``,
+vLLM's Mooncake configuration file, when set), vLLM's names:
+``master_server_address`` (required, ``host:port`` of ``mooncake_master``),
+``metadata_server`` (default ``http://<master host>:8080/metadata``, the
+master's ``--enable_http_metadata_server``), ``protocol`` (``tcp`` or
+``rdma``, default ``tcp``), ``device_name`` (RDMA devices), ``global_segment_size``
+(memory this instance lends the store, default 512 MB) and
+``local_buffer_size`` (default 64 MB), ``embedding_cache_prefix``,
+``embedding_model_identity`` (default ``default``), ``store_read_buffer_bytes``
+(default 128 MB: a larger item is not read). ec-frontend's own:
+``embedding_revision`` (default ``default``), ``embedding_encoder_identity``
+(default ``encoder:default``), ``embedding_dtype`` (default ``torch.float32``:
+the model's dtype; the key of every instance must agree), ``local_hostname``
+(the address other store clients reach this one at; default: this host's
+address toward the master), ``timeout_s`` (default 10: the longest any store
+call may take before it counts as failed; the setup call gets three times that).
+
+Transfer params name the items (vLLM's EPD fields plus ``num_tokens`` and the
+store ``key``) so a proxy chain is unchanged, but a consumer derives every key
+from the item's own ``mm_hash``: there is nothing in them a client could point
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ec_frontend._core import is_valid_mm_hash
+from ec_frontend.connectors.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECLoadSpec,
+)
+from ec_frontend.connectors.ec_item_params import item_fields
+from ec_frontend.connectors.mooncake_common import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    BoundedCalls,
+    CallTimeout,
+    host_toward,
+    import_mooncake,
+    merged_extra,
+    parse_size,
+    positive_float,
+    unreachable,
+)
+from ec_frontend.connectors.tensor_checks import tensor_problem
+from ec_frontend.engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.engine.request import Request
+    from ec_frontend.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "ec_connector_extra_config"
+KEY_VERSION = "v3"
+MAGIC = 0x4D4F4F4E
+HEADER = struct.Struct("<IIQQ")
+_DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}
+
+
+def embedding_namespace(
+    *,
+    model: str,
+    revision: str = "default",
+    encoder: str = "encoder:default",
+    dtype: str = "torch.float32",
+    prefix: str = "",
+) -> str:
+    """vLLM's namespace of the Mooncake Store embedding cache for one model."""
+    head = f"{prefix}@" if prefix else ""
+    return (
+        f"{head}embedding@model:{model}@revision:{revision}@encoder:{encoder}"
+        f"@dtype:{dtype}@protocol:{KEY_VERSION}"
+    )
+
+
+def embedding_key(namespace: str, mm_hash: str) -> str:
+    return f"{namespace}@id:{mm_hash}"
+
+
+def encode_header(tensor: torch.Tensor) -> bytes:
+    """The 24-byte header vLLM's codec writes before a 2-D encoder output."""
+    code = DTYPE_CODES.get(tensor.dtype)
+    if code is None or tensor.dim() != 2:
+        raise ValueError(
+            f"an encoder output must be a 2-D float32/float16/bfloat16 tensor, "
+            f"not {tensor.dtype} of shape {list(tensor.shape)}"
+        )
+    return HEADER.pack(MAGIC, code, *tensor.shape)
+
+
+def decode_value(data: memoryview | bytes) -> torch.Tensor:
+    """The encoder output in a stored value (a copy); ``ValueError`` when it is not one."""
+    if len(data) < HEADER.size:
+        raise ValueError(f"{len(data)} bytes: shorter than the header")
+    magic, code, rows, hidden = HEADER.unpack_from(data)
+    dtype = CODE_DTYPES.get(code)
+    if magic != MAGIC or dtype is None:
+        raise ValueError("not a Mooncake embedding value (magic or dtype code)")
+    nbytes = rows * hidden * torch.finfo(dtype).bits // 8
+    if len(data) != HEADER.size + nbytes:
+        raise ValueError(f"{len(data)} bytes for a [{rows}, {hidden}] {dtype} tensor")
+    body = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=HEADER.size)
+    return body.clone().view(dtype).reshape(rows, hidden)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    master_server_address: str
+    metadata_server: str
+    protocol: str
+    device_name: str
+    global_segment_size: int
+    local_buffer_size: int
+    local_hostname: str
+    read_buffer_bytes: int
+    timeout_s: float
+    namespace: str
+    dtype: torch.dtype
+
+    @classmethod
+    def from_extra(cls, extra_config: Any) -> StoreSettings:
+        extra = merged_extra(extra_config)
+        master = extra.get("master_server_address")
+        if not isinstance(master, str) or ":" not in master:
+            raise ConfigError(
+                f"{PREFIX}.master_server_address must be the mooncake_master's host:port",
+                f"{PREFIX}.master_server_address",
+            )
+        host = master.rsplit(":", 1)[0]
+        strings = {}
+        defaults = {
+            "metadata_server": f"http://{host}:8080/metadata",
+            "protocol": "tcp",
+            "device_name": "",
+            "local_hostname": host_toward(master),
+            "embedding_cache_prefix": "",
+            "embedding_model_identity": "default",
+            "embedding_revision": "default",
+            "embedding_encoder_identity": "encoder:default",
+            "embedding_dtype": "torch.float32",
+        }
+        for key, default in defaults.items():
+            value = extra.get(key, default)
+            if not isinstance(value, str):
+                raise ConfigError(f"{PREFIX}.{key} must be a string", f"{PREFIX}.{key}")
+            strings[key] = value
+        if strings["protocol"] not in ("tcp", "rdma"):
+            raise ConfigError(f"{PREFIX}.protocol must be tcp or rdma", f"{PREFIX}.protocol")
+        if strings["embedding_dtype"] not in _DTYPE_NAMES:
+            raise ConfigError(
+                f"{PREFIX}.embedding_dtype must be one of {', '.join(sorted(_DTYPE_NAMES))}",
+                f"{PREFIX}.embedding_dtype",
+            )
+        sizes = {
+            key: parse_size(extra.get(key, default), f"{PREFIX}.{key}")
+            for key, default in (
+                ("global_segment_size", 512 << 20),
+                ("local_buffer_size", 64 << 20),
+                ("store_read_buffer_bytes", 128 << 20),
+            )
+        }
+        return cls(
+            master_server_address=master,
+            metadata_server=strings["metadata_server"],
+            protocol=strings["protocol"],
+            device_name=strings["device_name"],
+            global_segment_size=sizes["global_segment_size"],
+            local_buffer_size=sizes["local_buffer_size"],
+            local_hostname=strings["local_hostname"],
+            read_buffer_bytes=sizes["store_read_buffer_bytes"],
+            timeout_s=positive_float(extra, "timeout_s", 10.0, PREFIX),
+            namespace=embedding_namespace(
+                model=strings["embedding_model_identity"],
+                revision=strings["embedding_revision"],
+                encoder=strings["embedding_encoder_identity"],
+                dtype=strings["embedding_dtype"],
+                prefix=strings["embedding_cache_prefix"],
+            ),
+            dtype=_DTYPE_NAMES[strings["embedding_dtype"]],
+        )
+
+
+class EmbeddingStore:
+    """One Mooncake Store client per engine (both connector halves share it).
+
+    Every call is bounded (:class:`BoundedCalls`); a failed or overrun call is a
+    miss, never an exception out of the connector.
+    """
+
+    def __init__(self, settings: StoreSettings) -> None:
+        store_module = import_mooncake("store")
+        self.settings = settings
+        self.calls = BoundedCalls("mooncake-store", settings.timeout_s)
+        self.store = store_module.MooncakeDistributedStore()
+        self._read_buffer: torch.Tensor | None = None
+        self._header = ctypes.create_string_buffer(HEADER.size)
+        s = settings
+
+        def setup() -> int:
+            return int(
+                self.store.setup(
+                    s.local_hostname,
+                    s.metadata_server,
+                    s.global_segment_size,
+                    s.local_buffer_size,
+                    s.protocol,
+                    s.device_name,
+                    s.master_server_address,
+                )
+            )
+
+        why = unreachable(s.master_server_address, s.metadata_server, s.timeout_s)
+        if why is None:
+            try:
+                code = self.calls.call(setup, timeout_s=3 * s.timeout_s)
+            except CallTimeout:
+                code = None
+            if code != 0:
+                why = "no answer" if code is None else f"the client was refused (code {code})"
+        if why is not None:
+            raise ConfigError(
+                f"Mooncake Store at {s.master_server_address} cannot be used: {why}; is "
+                "mooncake_master running there with --enable_http_metadata_server?",
+                f"{PREFIX}.master_server_address",
+            )
+        ret = self.calls.call(
+            lambda: self.store.register_buffer(ctypes.addressof(self._header), HEADER.size)
+        )
+        if ret != 0:
+            raise ConfigError(f"Mooncake Store refused a buffer (code {ret})", "mooncake")
+
+    def key(self, mm_hash: str) -> str:
+        return embedding_key(self.settings.namespace, mm_hash)
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Which ``keys`` are stored; an unreachable store holds nothing."""
+        try:
+            states = self.calls.call(lambda: list(self.store.batch_is_exist(keys)))
+        except CallTimeout as exc:
+            logger.warning("Mooncake Store lookup failed: %s", exc)
+            return [False] * len(keys)
+        if any(s < 0 for s in states):
+            logger.warning("Mooncake Store lookup failed (codes %s)", sorted(set(states)))
+        return [s == 1 for s in states]
+
+    def put(self, key: str, tensor: torch.Tensor) -> bool:
+        """Store ``tensor`` (contiguous, on the CPU) under ``key``; whether it is stored."""
+        header = encode_header(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        store, head = self.store, ctypes.addressof(self._header)
+
+        def put() -> int:
+            ctypes.memmove(head, header, HEADER.size)
+            ret = store.register_buffer(tensor.data_ptr(), nbytes)
+            if ret != 0:
+                return int(ret)
+            try:
+                [result] = store.batch_put_from_multi_buffers(
+                    [key], [[head, tensor.data_ptr()]], [[HEADER.size, nbytes]]
+                )
+            finally:
+                store.unregister_buffer(tensor.data_ptr())
+            return int(result)
+
+        try:
+            result = self.calls.call(put)
+        except CallTimeout as exc:
+            logger.warning("Mooncake Store put of %s failed: %s", key, exc)
+            return False
+        if result < 0:
+            logger.warning("Mooncake Store put of %s failed (code %d)", key, result)
+        return result >= 0
+
+    def get(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The encoder outputs stored under ``keys`` (missing or invalid ones left out)."""
+        if not keys:
+            return {}
+        limit = self.settings.read_buffer_bytes
+        try:
+            sizes = self.calls.call(lambda: [int(self.store.get_size(k)) for k in keys])
+        except CallTimeout as exc:
+            logger.warning("Mooncake Store get failed: %s", exc)
+            return {}
+        found: dict[str, torch.Tensor] = {}
+        batch: list[tuple[str, int]] = []
+        used = 0
+        for key, size in zip(keys, sizes, strict=True):
+            if size <= 0 or size > limit:
+                why = "missing" if size <= 0 else f"{size} bytes, over store_read_buffer_bytes"
+                logger.warning("Mooncake Store item %s not read: %s", key, why)
+                continue
+            if used + size > limit:
+                found.update(self._read(batch))
+                batch, used = [], 0
+            batch.append((key, size))
+            used += size
+        found.update(self._read(batch))
+        return found
+
+    def _read(self, batch: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+        if not batch:
+            return {}
+        buffer = self._buffer()
+        if buffer is None:
+            return {}
+        base = buffer.data_ptr()
+        offsets, end = [], 0
+        for _, size in batch:
+            offsets.append(end)
+            end += size
+        keys = [k for k, _ in batch]
+        sizes = [s for _, s in batch]
+        ptrs = [base + o for o in offsets]
+        try:
+            results = self.calls.call(lambda: list(self.store.batch_get_into(keys, ptrs, sizes)))
+        except CallTimeout as exc:
+            logger.warning("Mooncake Store get failed: %s", exc)
+            return {}
+        view = memoryview(buffer.numpy())
+        found: dict[str, torch.Tensor] = {}
+        for key, offset, size, result in zip(keys, offsets, sizes, results, strict=True):
+            if result != size:
+                logger.warning("Mooncake Store get of %s failed (code %s)", key, result)
+                continue
+            try:
+                found[key] = decode_value(view[offset : offset + size])
+            except ValueError as exc:
+                logger.warning("Mooncake Store item %s: %s", key, exc)
+        return found
+
+    def _buffer(self) -> torch.Tensor | None:
+        if self._read_buffer is None:
+            buffer = torch.empty(self.settings.read_buffer_bytes, dtype=torch.uint8)
+            try:
+                ret = self.calls.call(
+                    lambda: self.store.register_buffer(buffer.data_ptr(), buffer.nbytes)
+                )
+            except CallTimeout:
+                ret = -1
+            if ret != 0:
+                logger.warning("Mooncake Store refused the read buffer (code %s)", ret)
+                return None
+            self._read_buffer = buffer
+        return self._read_buffer
+
+
+_STORES: dict[int, tuple[ECTransferConfig, EmbeddingStore]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _store_for(config: ECTransferConfig) -> EmbeddingStore:
+    with _STORES_LOCK:
+        entry = _STORES.get(id(config))
+        if entry is None or entry[0] is not config:
+            settings = StoreSettings.from_extra(config.ec_connector_extra_config)
+            entry = (config, EmbeddingStore(settings))
+            _STORES[id(config)] = entry
+        return entry[1]
+
+
+class MooncakeStoreECConnector(ECConnectorBase):
+    """Encoder outputs in Mooncake Store under vLLM's key namespace."""
+
+    def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
+        super().__init__(config, role)
+        self.store = _store_for(config)
+        self._pending: list[ECLoadSpec] = []
+
+    # ---- scheduler side -------------------------------------------------
+
+    def has_cache_item(self, mm_hash: str, request: Request | None = None) -> bool:
+        if not is_valid_mm_hash(mm_hash):
+            return False
+        return self.store.exists([self.store.key(mm_hash)])[0]
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        feature = request.mm_features[index]
+        self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        meta = ECConnectorMetadata(loads=self._pending)
+        self._pending = []
+        return meta
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if not self.is_producer or not request.mm_features:
+            return False, None
+        fields = item_fields(request.mm_features)
+        lengths = {f.mm_hash: f.length for f in request.mm_features}
+        hashes = list(lengths)
+        keys = [self.store.key(h) for h in hashes]
+        params = {
+            h: {**fields[h], "num_tokens": lengths[h], "key": key}
+            for h, key, stored in zip(hashes, keys, self.store.exists(keys), strict=True)
+            if stored
+        }
+        return False, (params or None)
+
+    # ---- worker side ----------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        specs = {s.mm_hash: s for s in self.metadata.loads if s.mm_hash not in encoder_cache}
+        if not specs:
+            return
+        keys = {self.store.key(h): s for h, s in specs.items()}
+        found = self.store.get(list(keys))
+        for key, spec in keys.items():
+            tensor = found.get(key)
+            problem = (
+                "missing or unreadable"
+                if tensor is None
+                else tensor_problem(tensor, shape=[spec.num_tokens, tensor.shape[1]])
+            )
+            if problem is not None:
+                logger.warning("EC load of %s from Mooncake Store: %s", spec.mm_hash, problem)
+                self.stats.load_failures += 1
+                continue
+            encoder_cache[spec.mm_hash] = tensor
+            self.stats.items_loaded += 1
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        if not is_valid_mm_hash(mm_hash):
+            raise ValueError(f"invalid mm_hash {mm_hash!r}: expected lower-case hex")
+        key = self.store.key(mm_hash)
+        if self.store.exists([key])[0]:
+            return
+        tensor = encoder_cache[mm_hash].detach().to("cpu").contiguous()
+        if tensor.dtype != self.store.settings.dtype:
+            logger.warning(
+                "encoder output of %s is %s but the store keys say %s (embedding_dtype): not put",
+                mm_hash,
+                tensor.dtype,
+                self.store.settings.dtype,
+            )
+            return
+        if self.store.put(key, tensor):
+            self.stats.items_saved += 1

@@ -1,0 +1,172 @@
+"""``MooncakeStoreECConnector`` against a real ``mooncake_master`` on loopback.
+
+Two connectors with separate Store clients play the encoder and a consumer
+(as two instances would); a third raw ``MooncakeDistributedStore`` client
+inspects and deletes what they stored. Covers the key namespace and value
+bytes, reuse by several consumers, a key removed between lookup and read, a
+corrupt value, and a master that is killed or stops answering (every call
+returns within the configured timeout, and the items are plain misses).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from ec_frontend.connectors.base import ECConnectorMetadata, ECConnectorRole, ECLoadSpec
+from ec_frontend.connectors.mooncake_store import (
+    MooncakeStoreECConnector,
+    embedding_key,
+    embedding_namespace,
+)
+from ec_frontend.engine.config import ConfigError, ECTransferConfig
+
+from .conftest import Master
+
+H1, H2 = "ab" * 16, "cd" * 16
+
+
+def connector(master: Master, role: str, **extra: Any) -> MooncakeStoreECConnector:
+    extra = master.store_extra(**{"timeout_s": 2.0, **extra})
+    config = ECTransferConfig.from_json(
+        {
+            "ec_connector": "MooncakeStoreECConnector",
+            "ec_role": role,
+            "ec_connector_extra_config": extra,
+        }
+    )
+    return MooncakeStoreECConnector(config, ECConnectorRole.WORKER)
+
+
+def load(c: MooncakeStoreECConnector, *specs: tuple[str, int]) -> dict[str, torch.Tensor]:
+    cache: dict[str, torch.Tensor] = {}
+    meta = ECConnectorMetadata(loads=[ECLoadSpec(h, n, "r") for h, n in specs])
+    with c.bound(meta):
+        c.start_load_caches(cache)
+    return cache
+
+
+def raw_client(master: Master) -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    ret = store.setup(
+        "127.0.0.1", master.metadata_server, 16 << 20, 16 << 20, "tcp", "", master.address
+    )
+    assert ret == 0
+    return store
+
+
+@pytest.fixture
+def pair(master: Master) -> Iterator[tuple[MooncakeStoreECConnector, MooncakeStoreECConnector]]:
+    yield connector(master, "ec_producer"), connector(master, "ec_consumer")
+
+
+def test_put_get_in_vllm_layout(master: Master, pair: Any) -> None:
+    producer, consumer = pair
+    out = torch.randn(7, 24)
+    assert not consumer.has_cache_item(H1)
+    producer.save_caches({H1: out}, H1)
+    assert producer.stats.items_saved == 1
+    assert consumer.has_cache_item(H1)
+
+    key = embedding_key(embedding_namespace(model="default"), H1)
+    assert key == (
+        "embedding@model:default@revision:default@encoder:encoder:default"
+        f"@dtype:torch.float32@protocol:v3@id:{H1}"
+    )
+    raw = raw_client(master)
+    value = raw.get(key)
+    assert struct.unpack_from("<IIQQ", value) == (0x4D4F4F4E, 0, 7, 24)
+    assert value[24:] == out.numpy().tobytes()
+
+    for c in (consumer, connector(master, "ec_consumer")):  # any number of consumers
+        got = load(c, (H1, 7))
+        assert torch.equal(got[H1], out)
+        assert c.stats.items_loaded == 1
+    # The producer does not put an item twice.
+    producer.save_caches({H1: out}, H1)
+    assert producer.stats.items_saved == 1
+
+
+def test_namespace_options_change_the_key(master: Master) -> None:
+    producer = connector(
+        master,
+        "ec_producer",
+        embedding_cache_prefix="team",
+        embedding_model_identity="org/m",
+        embedding_dtype="torch.bfloat16",
+    )
+    assert producer.store.key(H1) == (
+        "team@embedding@model:org/m@revision:default@encoder:encoder:default"
+        f"@dtype:torch.bfloat16@protocol:v3@id:{H1}"
+    )
+    # A float32 output is not put under bfloat16 keys.
+    producer.save_caches({H1: torch.ones(2, 4)}, H1)
+    assert producer.stats.items_saved == 0
+    assert not producer.has_cache_item(H1)
+    producer.save_caches({H1: torch.ones(2, 4, dtype=torch.bfloat16)}, H1)
+    assert producer.has_cache_item(H1)
+
+
+def test_missing_evicted_corrupt_and_wrong_rows_are_misses(master: Master, pair: Any) -> None:
+    producer, consumer = pair
+    producer.save_caches({H1: torch.ones(3, 8)}, H1)
+    producer.save_caches({H2: torch.ones(3, 8)}, H2)
+    assert consumer.has_cache_item(H1)
+    raw = raw_client(master)
+    time.sleep(0.3)  # past the master's lease (200 ms), so the key can be removed
+    assert raw.remove(producer.store.key(H1)) == 0  # evicted between lookup and read
+    got = load(consumer, (H1, 3), (H2, 4))  # H2 has 3 rows, the request expects 4
+    assert got == {}
+    assert consumer.stats.load_failures == 2
+
+    bad = ctypes.create_string_buffer(struct.pack("<IIQQ", 0xDEAD, 0, 1, 2) + bytes(8))
+    assert raw.put(producer.store.key(H1), bytes(bad.raw[:32])) == 0
+    assert load(consumer, (H1, 1)) == {}
+    assert consumer.stats.load_failures == 3
+    assert not consumer.has_cache_item("NOT-HEX")
+
+
+def test_master_killed_items_are_misses_quickly(master: Master, pair: Any) -> None:
+    producer, consumer = pair
+    producer.save_caches({H1: torch.ones(3, 8)}, H1)
+    master.kill()
+    start = time.monotonic()
+    assert not consumer.has_cache_item(H1)
+    assert load(consumer, (H1, 3)) == {}
+    producer.save_caches({H2: torch.ones(3, 8)}, H2)
+    assert producer.stats.items_saved == 1
+    assert time.monotonic() - start < 5
+
+
+def test_master_that_never_answers_is_bounded_by_timeout(master: Master, pair: Any) -> None:
+    producer, consumer = pair
+    producer.save_caches({H1: torch.ones(3, 8)}, H1)
+    master.pause()
+    try:
+        start = time.monotonic()
+        assert not consumer.has_cache_item(H1)  # times out after timeout_s (2 s)
+        assert load(consumer, (H1, 3)) == {}  # refused at once: the lookup is still stuck
+        assert time.monotonic() - start < 2 + 3
+    finally:
+        master.resume()
+
+
+def test_unreachable_master_is_a_startup_error() -> None:
+    dead = Master()
+    dead.kill()
+    with pytest.raises(ConfigError, match=r"master .* unreachable"):
+        connector(dead, "ec_consumer", timeout_s=1.0)
+    with pytest.raises(ConfigError, match="master_server_address"):
+        MooncakeStoreECConnector(
+            ECTransferConfig.from_json(
+                {"ec_connector": "MooncakeStoreECConnector", "ec_role": "ec_consumer"}
+            ),
+            ECConnectorRole.WORKER,
+        )
