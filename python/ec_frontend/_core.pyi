@@ -125,6 +125,15 @@ class ParsedRequest:
     def output_mode(self) -> str:
         """Generate's ``output_mode``: ``"tokens"`` (default) or ``"text"``."""
     @property
+    def continue_final_message(self) -> bool:
+        """vLLM's ``continue_final_message`` (chat; never with ``add_generation_prompt``)."""
+    @property
+    def truncate_prompt_tokens(self) -> int | None:
+        """vLLM's ``truncate_prompt_tokens`` (chat, completions; ``-1``: the context)."""
+    @property
+    def truncation_side(self) -> str | None:
+        """``"left"`` (keep the last tokens), ``"right"`` (the first) or ``None``."""
+    @property
     def n(self) -> int: ...
     @property
     def user(self) -> str | None: ...
@@ -142,8 +151,9 @@ class ParsedRequest:
         per token), ``prompt_logprobs`` (int | None), ``ignore_eos``,
         ``skip_special_tokens``, ``include_stop_str_in_output``, ``logit_bias``
         (dict[int, float] | None, each bias clamped to [-100, 100]),
-        ``allowed_token_ids`` (list[int] | None, never empty), ``extra_args``
-        (the merged ``vllm_xargs``: dict | None).
+        ``allowed_token_ids`` (list[int] | None, never empty), ``min_tokens``,
+        ``bad_words`` (list[str], no repeats), ``extra_args`` (the merged
+        ``vllm_xargs``: dict | None).
 
         Defaults are vLLM's: ``temperature`` 1.0, ``top_p`` 1.0, ``top_k`` 0 (disabled;
         a requested -1 is normalized to 0), ``min_p`` 0.0, ``repetition_penalty`` 1.0.

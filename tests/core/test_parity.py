@@ -51,6 +51,7 @@ CHOICES: dict[str, list[Any]] = {
     ],
     "allowed_token_ids": [None, [1, 2], [], ["3", 4.0], [-1]],
     "min_tokens": [0, 2, "3", -1, 500],
+    "bad_words": [[], ["x"], ["a b", "a b", "c"], [""], "word"],
     "vllm_xargs": [None, {}, {"a": 1}, {"kv_transfer_params": "old", "b": [1]}],
     "kv_transfer_params": [None, {}, {"do_remote_decode": True}],
     "ec_transfer_params": [None, {}, {"ab12": {"peer_port": 5501}}],

@@ -187,7 +187,7 @@ def test_sampling(endpoint: str, fields: dict[str, Any], expected: dict[str, Any
         "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
         "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "min_tokens",
-        "extra_args",
+        "bad_words", "extra_args",
     }  # fmt: skip
     assert {k: sampling[k] for k in expected} == expected
 

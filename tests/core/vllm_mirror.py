@@ -109,6 +109,7 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     min_tokens: int = 0
+    bad_words: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -166,6 +167,7 @@ class ChatCompletionRequest(BaseModel):
             "logit_bias": _logit_bias(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids,
             "min_tokens": self.min_tokens,
+            "bad_words": list(dict.fromkeys(self.bad_words)),
             "extra_args": self._extra_args(),
         }
         _verify(params)
@@ -209,6 +211,7 @@ def _verify(p: dict[str, Any]) -> None:
         (all(0 <= t < 2**31 for t in p["logit_bias"] or ()), "logit_bias ids out of range"),
         (p["allowed_token_ids"] != [], "allowed_token_ids must not be empty"),
         (p["min_tokens"] >= 0, "min_tokens must be at least 0"),
+        (all(p["bad_words"]), "bad_words cannot contain an empty string"),
         (
             p["max_tokens"] is None or p["min_tokens"] <= p["max_tokens"],
             "min_tokens must be at most max_tokens",

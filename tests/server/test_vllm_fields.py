@@ -95,7 +95,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     ("/inference/v1/generate", {"token_ids": [104, 105], "priority": -1}, "priority"),
     ("/v1/completions", {"model": MOCK_MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
-    ("/v1/completions", {"model": MOCK_MODEL, "prompt": "x", "bad_words": ["x"]}, "bad_words"),
     (
         "/v1/completions",
         {"model": MOCK_MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from .conftest import API_KEY, MOCK_MODEL, MODEL_NAME, ServerProcess
+from .conftest import API_KEY, MOCK_MODEL, MODEL_NAME, ServerProcess, png_data_url
 
 pytestmark = pytest.mark.slow
 
@@ -248,3 +248,126 @@ def test_generate_max_tokens_defaults_to_the_rest_of_the_context(
     body = {"model": MODEL_NAME, "prompt": prompt[:8], "ignore_eos": True}
     r = post(model_server, "/v1/completions", body, auth=False)
     assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def _token_text(server: ServerProcess, tid: int) -> str:
+    r = post(server, "/detokenize", {"model": MODEL_NAME, "tokens": [tid]}, auth=False)
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def _tokens(server: ServerProcess, text: str) -> list[int]:
+    body = {"model": MODEL_NAME, "prompt": text, "add_special_tokens": False}
+    r = post(server, "/tokenize", body, auth=False)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_bad_words_are_never_generated(model_server: ServerProcess) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    base = post(model_server, "/v1/completions", body, auth=False).json()["choices"][0]
+    # A generated token whose text is a word of exactly that one token.
+    k, tid, word = next(
+        (k, t, w)
+        for k, t in enumerate(base["token_ids"])
+        if (w := _token_text(model_server, t)).strip() and _tokens(model_server, w.lstrip()) == [t]
+    )
+    r = post(model_server, "/v1/completions", {**body, "bad_words": [word]}, auth=False)
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    assert ids[:k] == base["token_ids"][:k]
+    assert tid not in ids and len(ids) == 8
+
+
+@pytest.mark.parametrize(
+    ("fields", "prompt"),
+    [
+        ({"truncate_prompt_tokens": 4}, "abcd"),  # the tokenizer's side: right
+        ({"truncate_prompt_tokens": 4, "truncation_side": "right"}, "abcd"),
+        ({"truncate_prompt_tokens": "4", "truncation_side": "left"}, "ghij"),
+        ({"truncate_prompt_tokens": 40, "truncation_side": "left"}, "abcdefghij"),
+    ],
+)
+def test_truncate_prompt_tokens(
+    mock_server: ServerProcess, fields: dict[str, Any], prompt: str
+) -> None:
+    body = {"model": MOCK_MODEL, "prompt": "abcdefghij", "max_tokens": 4, "temperature": 0}
+    out = post(mock_server, "/v1/completions", {**body, **fields, "echo": True}).json()
+    assert out["usage"]["prompt_tokens"] == len(prompt)
+    assert out["choices"][0]["text"] == prompt + prompt[:4]
+
+
+def test_truncate_to_the_context(mock_server: ServerProcess) -> None:
+    """``-1`` keeps the context less one token: a prompt longer than the context fits."""
+    long = "xy" * 2100  # 4,200 tokens, over the mock's 4,096
+    body = {"model": MOCK_MODEL, "prompt": long, "max_tokens": 1}
+    r = post(mock_server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    body |= {"truncate_prompt_tokens": -1, "truncation_side": "left"}
+    r = post(mock_server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 4095
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "abc", "truncate_prompt_tokens": 5000},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "look"},
+                        {"type": "image_url", "image_url": {"url": png_data_url()}},
+                    ],
+                }
+            ],
+            "truncate_prompt_tokens": 3,
+        },
+    ],
+    ids=["over-the-context", "images"],
+)
+def test_truncation_refusals(mock_server: ServerProcess, body: dict[str, Any]) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = post(mock_server, path, {"model": MOCK_MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert httpx.get(mock_server.url + "/health").status_code == 200
+
+
+def test_continue_final_message(mock_server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel"}]
+    body = {
+        "model": MOCK_MODEL,
+        "messages": messages,
+        "max_tokens": 2,
+        "return_token_ids": True,
+        "add_generation_prompt": False,
+    }
+    closed = post(mock_server, "/v1/chat/completions", body).json()
+    assert closed["prompt_token_ids"] == ords("user: hi\nassistant: hel\n")
+    body["continue_final_message"] = True
+    out = post(mock_server, "/v1/chat/completions", body).json()
+    assert out["prompt_token_ids"] == ords("user: hi\nassistant: hel")
+    r = post(mock_server, "/tokenize", {k: v for k, v in body.items() if k != "max_tokens"})
+    assert r.json()["tokens"] == ords("user: hi\nassistant: hel")
+    # As vLLM: not with add_generation_prompt, which is true unless sent false.
+    del body["add_generation_prompt"]
+    r = post(mock_server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("words", [[""], "word", [7], ["a"] * 3 + [""]])
+def test_bad_words_refusals(mock_server: ServerProcess, words: Any) -> None:
+    body = {"model": MOCK_MODEL, "prompt": "abc", "max_tokens": 2, "bad_words": words}
+    r = post(mock_server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("bad_words")

@@ -41,12 +41,20 @@ class SamplingRow:
 
     @property
     def stop_ids_masked(self) -> list[int]:
-        """Token ids this step must not produce because of ``min_tokens``."""
+        """Token ids this step must not produce: the stop tokens ``min_tokens`` holds
+        back, and the last token of each bad word whose other tokens end the output
+        (vLLM's rule: a one-token bad word is always banned)."""
         params = self.params
-        if len(self.output_token_ids) >= params.min_tokens:
-            return []
-        eos = [] if params.ignore_eos else list(self.eos_token_ids)
-        return eos + list(params.stop_token_ids)
+        held: list[int] = []
+        if len(self.output_token_ids) < params.min_tokens:
+            held += [] if params.ignore_eos else list(self.eos_token_ids)
+            held += params.stop_token_ids
+        out = self.output_token_ids
+        for word in params.bad_words_token_ids or ():
+            prefix = len(word) - 1
+            if prefix <= len(out) and (prefix == 0 or list(out[-prefix:]) == word[:-1]):
+                held.append(word[-1])
+        return held
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

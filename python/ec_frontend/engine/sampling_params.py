@@ -67,6 +67,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     #: No end of sequence, stop token or stop string before this many tokens.
     min_tokens: int = 0
+    #: vLLM's ``bad_words``; the server tokenizes them into ``bad_words_token_ids``.
+    bad_words: list[str] = field(default_factory=list)
+    #: Token sequences the sampler never completes: the last id of each is banned
+    #: where the output ends with the ids before it.
+    bad_words_token_ids: list[list[int]] | None = None
     extra_args: dict[str, Any] | None = None
     #: A compiled constraint (:class:`~ec_frontend.engine.structured_output.CompiledGrammar`)
     #: that every sampled token must follow; set by the server after compiling.
@@ -88,7 +93,9 @@ class SamplingParams:
         for key, value in sampling.items():
             if value is None and key not in NULLABLE:
                 continue
-            if key in ("stop", "stop_token_ids", "allowed_token_ids") and value is not None:
+            if key in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words") and (
+                value is not None
+            ):
                 value = list(value)
             if key == "logit_bias" and value is not None:
                 if not isinstance(value, Mapping):
@@ -147,6 +154,8 @@ class SamplingParams:
             for tok, bias in self.logit_bias.items():
                 _check_int(tok, "logit_bias", minimum=0)
                 _check_float(bias, "logit_bias", -100.0, 100.0)
+        if not all(isinstance(w, str) and w for w in self.bad_words):
+            raise SamplingParamsError("bad_words must be non-empty strings", "bad_words")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise SamplingParamsError(
@@ -167,6 +176,7 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or ())),
             ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words", [t for word in self.bad_words_token_ids or () for t in word]),
         ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:

@@ -92,6 +92,7 @@ class MockProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> MockInputs:
         pieces: list[str] = []
         features: list[MockFeature] = []
@@ -111,6 +112,8 @@ class MockProcessor:
                     offset += IMAGE_TOKENS
             pieces.append("\n")
             offset += 1
+        if continue_final_message and pieces:
+            pieces.pop()  # the last message stays open
         if add_generation_prompt:
             pieces.append("assistant: ")
         prompt = "".join(pieces)

@@ -38,7 +38,7 @@ from ec_frontend.entrypoints.limits import (
     text_too_long,
     too_busy,
 )
-from ec_frontend.entrypoints.sampling import build_sampling_params
+from ec_frontend.entrypoints.sampling import bad_words_token_ids, build_sampling_params
 from ec_frontend.entrypoints.structured import StructuredCompiler
 from ec_frontend.metrics import ServerMetrics
 
@@ -162,6 +162,8 @@ class Serving:
 
     def _check_token_count(self, parsed: ParsedRequest) -> None:
         limit = self.config.max_model_len
+        if parsed.truncate_prompt_tokens is not None:
+            return  # checked after truncation
         if parsed.endpoint == "generate":
             lists: list[tuple[str, Any]] = [("token_ids", parsed.token_ids or [])]
         elif parsed.endpoint == "completions":
@@ -223,6 +225,7 @@ class Serving:
             chat_template_kwargs=parsed.chat_template_kwargs,
             mm_processor_kwargs=parsed.mm_processor_kwargs,
             **extra,
+            **continuation(parsed),
         )
 
     async def _structured(self, parsed: ParsedRequest) -> tuple[Any, Any]:
@@ -262,7 +265,10 @@ class Serving:
                 processor.process_generate, parsed.token_ids or [], parsed.features
             )
             prompts.append((inputs, "token_ids", None))
+        if parsed.truncate_prompt_tokens is not None:
+            prompts = [await self._truncate(parsed, *prompt) for prompt in prompts]
         sampling = parsed.sampling
+        bad_words = self._bad_words(sampling.get("bad_words"))
         n = parsed.n
         for inputs, param, _ in prompts:
             self._check_length(len(inputs.prompt_token_ids), sampling.get("max_tokens"), param)
@@ -272,12 +278,57 @@ class Serving:
         for p, (inputs, _, text) in enumerate(prompts):
             for i in range(n):
                 params = build_sampling_params(
-                    sampling, choice=i, vocab_size=self.config.vocab_size
+                    sampling, choice=i, vocab_size=self.config.vocab_size, bad_words=bad_words
                 )
                 params.structured_outputs = grammar
                 rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
                 jobs.append(Job(p * n + i, p, rid, inputs, params, text, tools=tools))
         return jobs
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
+        if not words:
+            return None
+        return bad_words_token_ids(self.engine.processor.tokenizer, words)
+
+    async def _truncate(
+        self, parsed: ParsedRequest, inputs: Any, param: str, text: str | None
+    ) -> tuple[Any, str, str | None]:
+        """vLLM's ``truncate_prompt_tokens``: at most that many prompt tokens (``-1``:
+        the context less one token for the output), the first ones kept with
+        ``truncation_side`` right (the tokenizer's default side), the last with left.
+        A prompt with images is never cut (400)."""
+        keep = parsed.truncate_prompt_tokens
+        limit = self.config.max_model_len
+        if keep is None:
+            return inputs, param, text
+        if keep > limit:
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+                f"= {limit}. Please request a smaller truncation size.",
+                param="truncate_prompt_tokens",
+                code="invalid_value",
+            )
+        if keep < 0:
+            keep = limit - 1
+        ids = list(inputs.prompt_token_ids)
+        if len(ids) <= keep:
+            return inputs, param, text
+        if inputs.mm_features:
+            raise APIError(
+                400,
+                "truncate_prompt_tokens would cut a prompt that has images; this server "
+                "truncates text-only prompts",
+                param="truncate_prompt_tokens",
+                code="invalid_value",
+            )
+        processor = self.engine.processor
+        side = parsed.truncation_side or getattr(processor.tokenizer, "truncation_side", "right")
+        kept = ids[-keep:] if side == "left" and keep else ids[:keep]
+        inputs = await self._process(processor.process_prompt, kept)
+        if text is not None:
+            text = processor.tokenizer.decode(kept)
+        return inputs, param, text
 
     def shutdown(self) -> None:
         """Stop the input-processing threads."""
@@ -534,3 +585,9 @@ def _copy(out: Any) -> Any:
         token_ids=list(out.token_ids),
         logprobs=None if out.logprobs is None else list(out.logprobs),
     )
+
+
+def continuation(parsed: ParsedRequest) -> dict[str, Any]:
+    """The chat processor's keyword for vLLM's ``continue_final_message`` (none when
+    unset, so a processor without the option still serves every other request)."""
+    return {"continue_final_message": True} if parsed.continue_final_message else {}

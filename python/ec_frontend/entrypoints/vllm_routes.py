@@ -29,6 +29,8 @@ from starlette.responses import Response
 from ec_frontend import __version__
 from ec_frontend._core import parse_request
 from ec_frontend.entrypoints.errors import APIError
+from ec_frontend.entrypoints.sampling import encode_text
+from ec_frontend.entrypoints.serving import continuation
 
 if TYPE_CHECKING:
     from ec_frontend.entrypoints.server import App
@@ -40,7 +42,7 @@ _MAX_TOKEN_ID = 2**63 - 1
 _CHILD_SUFFIX = re.compile(r"(-(\d+|[0-9a-f]{8}))+")
 #: Chat fields of ``/tokenize`` that go to the chat parser as they are.
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs",
-                "mm_processor_kwargs")  # fmt: skip
+                "mm_processor_kwargs", "continue_final_message")  # fmt: skip
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIError:
@@ -84,16 +86,6 @@ def _token_ids(value: Any, param: str, vocab_size: int | None) -> list[int]:
                 f"token id {t} is outside the vocabulary (0 to {bound - 1})", f"{param}[{i}]"
             )
     return value
-
-
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of ``text``; safe to call beside the input processor's threads."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # The Rust tokenizer encodes without touching the Python wrapper's
-        # truncation state, which concurrent calls would race on.
-        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
-    return list(tokenizer.encode(text))
 
 
 def _token_strs(tokenizer: Any, ids: Sequence[int]) -> list[str]:
@@ -141,11 +133,6 @@ class VLLMRoutes:
         return tokenizer
 
     async def _chat_ids(self, data: dict[str, Any]) -> list[int]:
-        if _flag(data, "continue_final_message", False):
-            raise _bad(
-                "continue_final_message is not supported by /tokenize on this server",
-                "continue_final_message",
-            )
         if _flag(data, "add_special_tokens", False):
             raise _bad(
                 "add_special_tokens is not supported for chat messages: the chat "
@@ -179,6 +166,7 @@ class VLLMRoutes:
                 add_generation_prompt=parsed.add_generation_prompt,
                 chat_template_kwargs=parsed.chat_template_kwargs,
                 mm_processor_kwargs=parsed.mm_processor_kwargs,
+                **continuation(parsed),
             )
         except (ValueError, OSError, IndexError) as exc:
             code = getattr(exc, "code", None)
@@ -196,7 +184,7 @@ class VLLMRoutes:
         self._check_model(data.get("model"))
         self.app.serving.check_text_chars(len(prompt), "prompt")
         add_special = _flag(data, "add_special_tokens", True)
-        return _encode(self._tokenizer(), prompt, add_special)
+        return encode_text(self._tokenizer(), prompt, add_special)
 
     async def tokenize(self, request: Request) -> Response:
         data = _json_object(await self.app.read_body(request))

@@ -183,6 +183,7 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> ProcessedInputs:
         """Render ``messages`` (parts ``text`` / ``image`` with ``media_index``),
         tokenize, and expand each image's placeholder. ``tools`` (OpenAI's function
@@ -204,6 +205,7 @@ class InputProcessor:
                     [_template_message(m) for m in messages],
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                     **kwargs,
                 )
         except (TemplateError, TypeError, KeyError, ValueError) as exc:

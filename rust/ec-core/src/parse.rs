@@ -87,6 +87,41 @@ pub fn parse_request(
         true,
     )?;
     req.echo = opt_bool(fields.raw(F::Echo), &ROOT.key("echo"), false)?;
+    req.continue_final_message = opt_bool(
+        fields.raw(F::ContinueFinalMessage),
+        &ROOT.key("continue_final_message"),
+        false,
+    )?;
+    if req.continue_final_message && req.add_generation_prompt {
+        // vLLM refuses the pair (its validator when both are sent, the chat template
+        // when add_generation_prompt keeps its default).
+        return Err(value_error(
+            &ROOT.key("continue_final_message"),
+            "cannot set both 'continue_final_message' and 'add_generation_prompt' to true \
+             (add_generation_prompt defaults to true: send false with continue_final_message)",
+        ));
+    }
+    if let Some(v) = fields.get(F::TruncatePromptTokens) {
+        req.truncate_prompt_tokens = Some(integer_in(
+            v,
+            &ROOT.key("truncate_prompt_tokens"),
+            -1,
+            i64::MAX,
+        )?);
+    }
+    if let Some(v) = fields.get(F::TruncationSide) {
+        let path = ROOT.key("truncation_side");
+        req.truncation_side = Some(match string(v, &path)? {
+            "left" => "left",
+            "right" => "right",
+            _ => {
+                return Err(value_error(
+                    &path,
+                    "'truncation_side' must be either 'left' or 'right'",
+                ))
+            }
+        });
+    }
     if req.echo && endpoint == Endpoint::Chat {
         return Err(value_error(
             &ROOT.key("echo"),

@@ -71,6 +71,9 @@ pub struct SamplingParams {
     pub allowed_token_ids: Option<Vec<u32>>,
     /// No end of sequence, stop token or stop string before this many tokens.
     pub min_tokens: u64,
+    /// vLLM's `bad_words`: words whose last token is banned where the tokens before it
+    /// were just generated (deduplicated, never empty strings).
+    pub bad_words: Vec<String>,
     /// The merged `vllm_xargs` (with `kv_transfer_params` / `ec_transfer_params`).
     pub extra_args: Option<OwnedValue>,
 }
@@ -98,6 +101,7 @@ impl Default for SamplingParams {
             logit_bias: None,
             allowed_token_ids: None,
             min_tokens: 0,
+            bad_words: Vec::new(),
             extra_args: None,
         }
     }
@@ -238,6 +242,15 @@ pub struct ParsedRequest {
     pub return_token_ids: bool,
     /// Generate's `output_mode`: `tokens` (the default) or `text`.
     pub output_mode: &'static str,
+    /// vLLM's `continue_final_message` (chat): the template leaves the last message
+    /// open; never with `add_generation_prompt`.
+    pub continue_final_message: bool,
+    /// vLLM's `truncate_prompt_tokens` (chat, completions): keep this many prompt
+    /// tokens (`-1`: as many as the context allows).
+    pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's `truncation_side`: `left` keeps the last tokens, `right` the first;
+    /// `None`: the tokenizer's side.
+    pub truncation_side: Option<&'static str>,
     pub user: Option<String>,
     /// `request_id` of a generate request.
     pub request_id: Option<String>,
@@ -285,6 +298,9 @@ impl ParsedRequest {
             stream_interval: 1,
             return_token_ids: false,
             output_mode: "tokens",
+            continue_final_message: false,
+            truncate_prompt_tokens: None,
+            truncation_side: None,
             user: None,
             request_id: None,
             sampling: SamplingParams::default(),

@@ -146,6 +146,9 @@ pub fn sampling_params(
         }
         p.allowed_token_ids = Some(ids);
     }
+    if let Some(v) = fields.get(F::BadWords) {
+        p.bad_words = bad_words(v, &at.key("bad_words"))?;
+    }
     p.ignore_eos = opt_bool(fields, F::IgnoreEos, at, false)?;
     p.skip_special_tokens = opt_bool(fields, F::SkipSpecialTokens, at, true)?;
     p.include_stop_str_in_output = opt_bool(fields, F::IncludeStopStrInOutput, at, false)?;
@@ -230,6 +233,24 @@ fn logit_bias(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<(u32, f64)>> {
             Ok((id as u32, bias.clamp(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
         })
         .collect()
+}
+
+/// `bad_words`: a list of non-empty strings, repeats dropped (vLLM keeps the first).
+fn bad_words(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    for (i, w) in array(v, path)?.iter().enumerate() {
+        let word = string(w, &path.index(i))?;
+        if word.is_empty() {
+            return Err(value_error(
+                path,
+                "bad_words cannot contain an empty string",
+            ));
+        }
+        if !out.iter().any(|o| o == word) {
+            out.push(word.to_owned());
+        }
+    }
+    Ok(out)
 }
 
 /// Most stop strings in a list (OpenAI's limit, which vLLM enforces too).

@@ -19,7 +19,7 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":null}"#.into(), "/sampling/temperature", json!(1.0)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0}"#.into(), "/sampling/temperature", json!(0.0)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"top_k":-1}"#.into(), "/sampling/top_k", json!(0)),
-        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0,"top_k":5,"top_p":0.5,"min_p":0.2}"#.into(), "/sampling", json!({"max_tokens": null, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop": [], "stop_token_ids": [], "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": null, "prompt_logprobs": null, "ignore_eos": false, "skip_special_tokens": true, "include_stop_str_in_output": false, "logit_bias": null, "allowed_token_ids": null, "min_tokens": 0, "extra_args": null})),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0,"top_k":5,"top_p":0.5,"min_p":0.2}"#.into(), "/sampling", json!({"max_tokens": null, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop": [], "stop_token_ids": [], "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": null, "prompt_logprobs": null, "ignore_eos": false, "skip_special_tokens": true, "include_stop_str_in_output": false, "logit_bias": null, "allowed_token_ids": null, "min_tokens": 0, "bad_words": [], "extra_args": null})),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"top_k":40}"#.into(), "/sampling/top_k", json!(40)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"stop":"END"}"#.into(), "/sampling/stop", json!(["END"])),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"stop":["a","b"]}"#.into(), "/sampling/stop", json!(["a", "b"])),
@@ -69,6 +69,11 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}"#.into(), "/continuous_usage_stats", json!(true)),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"continuous_usage_stats":true}}"#.into(), "/continuous_usage_stats", json!(false)),
         (Endpoint::Completions, r#"{"prompt":"x","stream_interval":"4"}"#.into(), "/stream_interval", json!(4)),
+        (Endpoint::Completions, r#"{"prompt":"x","bad_words":["a b","c","a b"]}"#.into(), "/sampling/bad_words", json!(["a b", "c"])),
+        (Endpoint::Generate, r#"{"token_ids":[1],"sampling_params":{"bad_words":["z"]}}"#.into(), "/sampling/bad_words", json!(["z"])),
+        (Endpoint::Chat, r#"{"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true,"add_generation_prompt":false}"#.into(), "/continue_final_message", json!(true)),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"x"}],"truncate_prompt_tokens":-1,"truncation_side":"left"}"#.into(), "/truncate_prompt_tokens", json!(-1)),
+        (Endpoint::Completions, r#"{"prompt":"x","truncate_prompt_tokens":"5","truncation_side":"right"}"#.into(), "/truncation_side", json!("right")),
     ];
     for (endpoint, body, pointer, expected) in rows {
         let parsed = json(&ok(endpoint, &body));

@@ -144,10 +144,6 @@ fn coercion_applies_on_every_endpoint() {
 fn unapplied_vllm_fields_are_refused_by_name() {
     #[rustfmt::skip]
     let refused: Vec<(Endpoint, &str, &str)> = vec![
-        (Endpoint::Completions, "bad_words", r#"["x"]"#),
-        (Endpoint::Chat, "truncate_prompt_tokens", "10"),
-        (Endpoint::Chat, "continue_final_message", "true"),
-        (Endpoint::Chat, "continue_final_message", r#""yes""#),
         (Endpoint::Chat, "use_beam_search", "true"),
         (Endpoint::Chat, "priority", "5"),
         (Endpoint::Responses, "priority", "-1"),

@@ -284,6 +284,7 @@ fn sampling_to_py<'py>(py: Python<'py>, s: &SamplingParams) -> PyResult<Bound<'p
         s.allowed_token_ids.as_ref(),
     )?;
     d.set_item(intern!(py, "min_tokens"), s.min_tokens)?;
+    d.set_item(intern!(py, "bad_words"), &s.bad_words)?;
     d.set_item(
         intern!(py, "extra_args"),
         opt_value_to_py(py, s.extra_args.as_ref())?,
@@ -389,6 +390,18 @@ impl PyParsedRequest {
     #[getter]
     fn output_mode(&self) -> &'static str {
         self.inner.output_mode
+    }
+    #[getter]
+    fn continue_final_message(&self) -> bool {
+        self.inner.continue_final_message
+    }
+    #[getter]
+    fn truncate_prompt_tokens(&self) -> Option<i64> {
+        self.inner.truncate_prompt_tokens
+    }
+    #[getter]
+    fn truncation_side(&self) -> Option<&'static str> {
+        self.inner.truncation_side
     }
     #[getter]
     fn n(&self) -> u32 {
