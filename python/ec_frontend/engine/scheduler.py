@@ -304,7 +304,12 @@ class Scheduler:
                 request.num_computed_tokens = start
                 request.num_cached_tokens = num_external
                 self.counters.kv_tokens_received += num_external
-            elif self.kv_cache is not None and self.kv_cache.enable_prefix_caching:
+            elif (
+                self.kv_cache is not None
+                and self.kv_cache.enable_prefix_caching
+                and request.num_computed_tokens == 0
+            ):
+                # Looked up above; a request resuming with received KV keeps its tokens.
                 self._admit_prefix_hit(request, cached, num_hit)
             self._commit(request, plan)
             self._cache_blocks(request, start + plan.num_new_tokens)
