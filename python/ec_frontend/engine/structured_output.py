@@ -37,6 +37,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
@@ -285,10 +286,23 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """``logits`` with the disallowed tokens of ``rows`` set to ``-inf`` (``bitmask``
-    has one row per row of ``logits``; a new tensor)."""
+    has one row per row of ``logits``; a new tensor).
+
+    On the CPU the bits are unpacked by numpy (one byte per token, no int32
+    intermediate); on an accelerator the packed words travel and are unpacked there.
+    """
+    vocab = logits.shape[-1]
     index = torch.tensor(list(rows), dtype=torch.int64)
-    allowed = unpack_bitmask(bitmask.index_select(0, index).to(logits.device), logits.shape[-1])
+    packed = bitmask.index_select(0, index)
+    if logits.device.type == "cpu":
+        bits = np.unpackbits(packed.numpy().view(np.uint8), axis=-1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :vocab]).view(torch.bool)
+    else:
+        allowed = unpack_bitmask(packed.to(logits.device, non_blocking=True), vocab)
+    blocked = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if len(rows) == logits.shape[0]:
+        return torch.where(allowed, logits, blocked)
     out = logits.clone()
     dev_index = index.to(logits.device)
-    out[dev_index] = out[dev_index].masked_fill(~allowed, float("-inf"))
+    out[dev_index] = torch.where(allowed, out[dev_index], blocked)
     return out
