@@ -127,6 +127,14 @@ def refused_connections() -> Counter:
     )
 
 
+#: Images this process decoded and preprocessed into pixel values (native or
+#: transformers path); counted by ``model.native_preprocess.count_preprocessed``.
+IMAGES_PREPROCESSED = Counter(
+    PREFIX + "images_preprocessed_total",
+    "Images decoded and preprocessed into pixel values by this instance.",
+)
+
+
 class ServerMetrics:
     """What the HTTP layer measures itself."""
 
@@ -159,6 +167,7 @@ class ServerMetrics:
         yield from self.requests.render()
         yield from self.aborted.render()
         yield from self.refused.render()
+        yield from IMAGES_PREPROCESSED.render()
         yield f"# HELP {PREFIX}http_requests_in_flight Generation requests being served."
         yield f"# TYPE {PREFIX}http_requests_in_flight gauge"
         yield f"{PREFIX}http_requests_in_flight {self.in_flight}"

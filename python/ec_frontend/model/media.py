@@ -52,6 +52,16 @@ def probe_image(
         image.close()
 
 
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as transformers' ``convert_rgb`` makes it: an image with transparency (an
+    alpha band or a transparent palette / colour key) is composited over white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def decode_image(
     data: bytes | None,
     *,
@@ -84,9 +94,7 @@ def decode_image(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             image.load()
-            if image.mode == "P" or image.mode.endswith("A"):
-                image = image.convert("RGBA")
-            return image.convert("RGB")
+            return _to_rgb(image)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise InputError(
             f"image {index} could not be decoded: {exc}", code="invalid_image"

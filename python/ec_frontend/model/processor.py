@@ -33,6 +33,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
 from ec_frontend.model.errors import InputError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, decode_image
 from ec_frontend.model.mrope import prompt_positions
+from ec_frontend.model.native_preprocess import count_preprocessed, native_preprocessor_for
 from ec_frontend.model.registry import PositionSpec
 
 __all__ = [
@@ -127,6 +128,8 @@ class InputProcessor:
         min_pixels, max_pixels = _processor_pixel_range(image_processor)
         #: ``mm_processor_kwargs`` pixel values a request may ask for (the checkpoint's range).
         self.processor_pixel_range = (min_pixels, max_pixels)
+        #: The Rust image rule equal to ``image_processor``; ``None``: transformers' path.
+        self.native = native_preprocessor_for(image_processor, max_image_pixels=max_image_pixels)
         # Hugging Face tokenizers are not safe to call from several threads at once.
         self._lock = threading.Lock()
 
@@ -144,6 +147,13 @@ class InputProcessor:
             self.max_image_pixels = max_image_pixels
         if formats is not None:
             self.image_formats = tuple(formats)
+        if self.native is not None:
+            self.native = native_preprocessor_for(
+                self.image_processor,
+                formats=self.image_formats,
+                max_image_pixels=self.max_image_pixels,
+                log=False,
+            )
         if max_processor_pixels is not None:
             low, _ = self.processor_pixel_range
             self.processor_pixel_range = (min(low, max_processor_pixels), max_processor_pixels)
@@ -218,7 +228,7 @@ class InputProcessor:
                 f"{len(order)} images (is an image token written in the text?)",
                 code="placeholder_mismatch",
             )
-        images = iter([self._image(media[i], i, size) for i in order])
+        images = iter(self._images(media, order, size))
         out_ids: list[int] = []
         features: list[MultiModalFeature] = []
         for token in ids:
@@ -339,6 +349,22 @@ class InputProcessor:
             )
         return size
 
+    def _images(
+        self, media: Sequence[MediaLike], order: Sequence[int], size: dict[str, int] | None
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None]]:
+        """``(mm_hash, grid, pixel_values)`` of the images ``order`` names: inline images
+        through the native path in one parallel call when there is one, else one by one
+        through transformers' processor."""
+        inline = [i for i in order if getattr(media[i], "image_grid_thw", None) is None]
+        if self.native is None or not inline or any(media[i].data is None for i in inline):
+            return [self._image(media[i], i, size) for i in order]
+        done = self.native.preprocess([media[i].data for i in inline], inline, size=size)
+        pixels = dict(zip(inline, done, strict=True))
+        return [
+            (media[i].mm_hash, *pixels[i]) if i in pixels else self._image(media[i], i, size)
+            for i in order
+        ]
+
     def _image(
         self, item: MediaLike, index: int, size: dict[str, int] | None
     ) -> tuple[str, tuple[int, int, int], torch.Tensor | None]:
@@ -357,6 +383,7 @@ class InputProcessor:
             ) from exc
         finally:
             image.close()
+        count_preprocessed()
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return item.mm_hash, (t, h, w), out["pixel_values"].to(torch.float32)
 

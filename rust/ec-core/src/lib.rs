@@ -15,6 +15,7 @@ mod media_items;
 pub mod merge;
 mod parse;
 pub mod path;
+pub mod preprocess;
 pub mod request;
 pub mod sampling;
 pub mod structured;

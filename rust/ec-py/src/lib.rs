@@ -5,6 +5,7 @@
 mod classes;
 mod convert;
 mod errors;
+mod preprocess;
 
 use ec_core::{Endpoint, Limits};
 use pyo3::prelude::*;
@@ -202,5 +203,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_for_uuid, m)?)?;
     m.add_function(wrap_pyfunction!(decode_data_url, m)?)?;
     m.add_function(wrap_pyfunction!(is_valid_mm_hash, m)?)?;
+    preprocess::register(m)?;
     Ok(())
 }

@@ -1,0 +1,74 @@
+//! Native image preprocessing: bytes -> RGB -> resized -> normalized patches, as
+//! transformers' image processors (PIL backend) compute them, without Python.
+//!
+//! * [`probe`] reads a file's format and size from its header only: a
+//!   decompression bomb is refused before a single pixel is allocated, and an
+//!   image whose pixels are not needed still gets its grid ([`QwenVlConfig::grid`]).
+//! * [`decode_rgb`] decodes PNG, JPEG, WebP, GIF (first frame) and BMP and converts
+//!   to 8-bit RGB the way Pillow + transformers' `convert_rgb` do (palette, grey,
+//!   16-bit, CMYK, transparency composited over white).
+//! * [`resize`] is Pillow's separable convolution resampling (bicubic, bilinear),
+//!   fixed-point as Pillow computes it, so resized pixels are bit-identical.
+//! * [`QwenVlConfig`] is the Qwen2-VL / Qwen2.5-VL rule (`smart_resize`, rescale,
+//!   normalize, patchify into `pixel_values` rows and `image_grid_thw`).
+
+mod decode;
+mod jpeg;
+mod qwen_vl;
+pub mod resize;
+
+pub use decode::{decode_rgb, probe, ImageFormat, ImageInfo, RgbImage};
+pub use qwen_vl::{smart_resize, QwenVlConfig, QwenVlOutput};
+pub use resize::Filter;
+
+use thiserror::Error;
+
+/// Why an image cannot be preprocessed. Messages name no image: the caller knows
+/// which item of its request failed and says so.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PreprocessError {
+    /// No bytes at all.
+    #[error("is empty")]
+    Empty,
+    /// A format this build can recognise but does not decode (SVG, TIFF, HEIC, ...).
+    #[error("is a {format} image; supported formats: {allowed}")]
+    UnsupportedFormat {
+        format: &'static str,
+        allowed: String,
+    },
+    /// Bytes that are no known image format.
+    #[error("is not an image in a supported format ({allowed})")]
+    UnknownFormat { allowed: String },
+    /// A width or height of zero.
+    #[error("has a zero width or height ({width}x{height})")]
+    ZeroSize { width: u32, height: u32 },
+    /// More pixels than the configured limit; found from the header, before decoding.
+    #[error("is {width}x{height}, more than {max_pixels} pixels")]
+    TooLarge {
+        width: u32,
+        height: u32,
+        max_pixels: u64,
+    },
+    /// The data ends before the image does.
+    #[error("is truncated")]
+    Truncated,
+    /// A damaged file (bad header, bad compressed data).
+    #[error("could not be decoded: {message}")]
+    Corrupt { message: String },
+    /// The resize rule cannot handle the image (e.g. an aspect ratio over 200).
+    #[error("cannot be processed: {message}")]
+    Unprocessable { message: String },
+}
+
+impl PreprocessError {
+    /// Short machine-readable reason (the `code` of an OpenAI error body).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::TooLarge { .. } => "image_too_large",
+            _ => "invalid_image",
+        }
+    }
+}
+
+/// Result of this module.
+pub type Result<T> = std::result::Result<T, PreprocessError>;

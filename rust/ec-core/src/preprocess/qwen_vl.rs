@@ -1,0 +1,229 @@
+//! The Qwen2-VL / Qwen2.5-VL image rule, as transformers' `Qwen2VLImageProcessor`
+//! (PIL backend) computes it: `smart_resize` to multiples of `patch_size * merge_size`
+//! within `[min_pixels, max_pixels]`, Pillow resampling, `x * rescale_factor` in
+//! float64 then float32, `(x - mean) / std` in float32, and patches laid out as
+//! `[grid_h * grid_w, 3 * temporal_patch_size * patch_size^2]` rows in merge-window
+//! order (`gh, gw, mh, mw` rows; `c, t, ph, pw` columns), each frame repeated
+//! `temporal_patch_size` times.
+
+use super::resize::{resize, Filter};
+use super::{decode_rgb, ImageFormat, PreprocessError, Result, RgbImage};
+
+/// The checkpoint's `preprocessor_config.json` values the rule reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QwenVlConfig {
+    pub min_pixels: u64,
+    pub max_pixels: u64,
+    pub patch_size: u32,
+    pub merge_size: u32,
+    pub temporal_patch_size: u32,
+    pub rescale_factor: f64,
+    pub image_mean: [f32; 3],
+    pub image_std: [f32; 3],
+    pub filter: Filter,
+}
+
+impl Default for QwenVlConfig {
+    /// transformers' class defaults (OpenAI CLIP mean and std).
+    fn default() -> Self {
+        Self {
+            min_pixels: 56 * 56,
+            max_pixels: 28 * 28 * 1280,
+            patch_size: 14,
+            merge_size: 2,
+            temporal_patch_size: 2,
+            rescale_factor: 1.0 / 255.0,
+            image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
+            image_std: [0.268_629_54, 0.261_302_6, 0.275_777_1],
+            filter: Filter::Bicubic,
+        }
+    }
+}
+
+/// One preprocessed image.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QwenVlOutput {
+    /// `[t * h * w, patch_dim]` row-major float32.
+    pub pixel_values: Vec<f32>,
+    /// `(t, h, w)` in patches.
+    pub grid_thw: (u32, u32, u32),
+    /// `3 * temporal_patch_size * patch_size^2`.
+    pub patch_dim: usize,
+}
+
+/// transformers' `smart_resize`: `(height, width)` after resizing, each a multiple of
+/// `factor`, the area within `[min_pixels, max_pixels]` (Python's float arithmetic and
+/// round-half-to-even, to agree on every size).
+pub fn smart_resize(
+    height: u32,
+    width: u32,
+    factor: u32,
+    min_pixels: u64,
+    max_pixels: u64,
+) -> Result<(u32, u32)> {
+    let (h, w, f) = (f64::from(height), f64::from(width), f64::from(factor));
+    if height == 0 || width == 0 {
+        return Err(PreprocessError::ZeroSize { width, height });
+    }
+    let ratio = h.max(w) / h.min(w);
+    if ratio > 200.0 {
+        return Err(PreprocessError::Unprocessable {
+            message: format!("absolute aspect ratio must be smaller than 200, got {ratio}"),
+        });
+    }
+    let mut h_bar = (h / f).round_ties_even() * f;
+    let mut w_bar = (w / f).round_ties_even() * f;
+    if h_bar * w_bar > max_pixels as f64 {
+        let beta = ((h * w) / max_pixels as f64).sqrt();
+        h_bar = f.max((h / beta / f).floor() * f);
+        w_bar = f.max((w / beta / f).floor() * f);
+    } else if h_bar * w_bar < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() * f;
+        w_bar = (w * beta / f).ceil() * f;
+    }
+    Ok((h_bar as u32, w_bar as u32))
+}
+
+impl QwenVlConfig {
+    fn factor(&self) -> u32 {
+        self.patch_size * self.merge_size
+    }
+
+    /// Checks the values a checkpoint (or request) may set.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.patch_size == 0 || self.merge_size == 0 || self.temporal_patch_size == 0 {
+            return Err("patch_size, merge_size and temporal_patch_size must be positive".into());
+        }
+        if self.min_pixels == 0 || self.min_pixels > self.max_pixels {
+            return Err("min_pixels must be positive and at most max_pixels".into());
+        }
+        if self.image_std.iter().any(|s| *s == 0.0 || !s.is_finite()) {
+            return Err("image_std must be finite and non-zero".into());
+        }
+        Ok(())
+    }
+
+    /// `(t, h, w)` of an image of `width` x `height` pixels, from its size alone.
+    pub fn grid(&self, width: u32, height: u32) -> Result<(u32, u32, u32)> {
+        let (rh, rw) = smart_resize(
+            height,
+            width,
+            self.factor(),
+            self.min_pixels,
+            self.max_pixels,
+        )?;
+        Ok((1, rh / self.patch_size, rw / self.patch_size))
+    }
+
+    /// Placeholder tokens of an image of `width` x `height` pixels.
+    pub fn num_tokens(&self, width: u32, height: u32) -> Result<usize> {
+        let (t, h, w) = self.grid(width, height)?;
+        Ok((t * h * w / (self.merge_size * self.merge_size)) as usize)
+    }
+
+    /// Float32 value of every 8-bit level per channel, computed as transformers does.
+    fn lut(&self) -> [[f32; 256]; 3] {
+        let mut lut = [[0f32; 256]; 3];
+        for (c, table) in lut.iter_mut().enumerate() {
+            for (v, out) in table.iter_mut().enumerate() {
+                let x = (v as f64 * self.rescale_factor) as f32;
+                *out = (x - self.image_mean[c]) / self.image_std[c];
+            }
+        }
+        lut
+    }
+
+    /// Decodes and preprocesses one image.
+    pub fn preprocess(
+        &self,
+        data: &[u8],
+        allowed: &[ImageFormat],
+        max_image_pixels: u64,
+    ) -> Result<QwenVlOutput> {
+        let image = decode_rgb(data, allowed, max_image_pixels)?;
+        self.preprocess_rgb(&image)
+    }
+
+    /// Resizes, normalizes and patchifies a decoded image.
+    pub fn preprocess_rgb(&self, image: &RgbImage) -> Result<QwenVlOutput> {
+        let (rh, rw) = smart_resize(
+            image.height,
+            image.width,
+            self.factor(),
+            self.min_pixels,
+            self.max_pixels,
+        )?;
+        let (w, h) = (rw as usize, rh as usize);
+        let resized = resize(
+            &image.data,
+            image.width as usize,
+            image.height as usize,
+            3,
+            w,
+            h,
+            self.filter,
+        );
+        let lut = self.lut();
+        let p = self.patch_size as usize;
+        let m = self.merge_size as usize;
+        let t = self.temporal_patch_size as usize;
+        let (gh, gw) = (h / p, w / p);
+        let patch_dim = 3 * t * p * p;
+        let frame = p * p;
+        let mut out = vec![0f32; gh * gw * patch_dim];
+        let mut row = 0usize;
+        for bh in 0..gh / m {
+            for bw in 0..gw / m {
+                for mh in 0..m {
+                    for mw in 0..m {
+                        let dst = &mut out[row * patch_dim..(row + 1) * patch_dim];
+                        let y0 = (bh * m + mh) * p;
+                        let x0 = (bw * m + mw) * p;
+                        for c in 0..3 {
+                            let table = &lut[c];
+                            let first = &mut dst[c * t * frame..c * t * frame + frame];
+                            for ph in 0..p {
+                                let src = &resized[((y0 + ph) * w + x0) * 3..];
+                                let line = &mut first[ph * p..(ph + 1) * p];
+                                for (pw, o) in line.iter_mut().enumerate() {
+                                    *o = table[src[pw * 3 + c] as usize];
+                                }
+                            }
+                            for k in 1..t {
+                                let start = c * t * frame;
+                                dst.copy_within(start..start + frame, start + k * frame);
+                            }
+                        }
+                        row += 1;
+                    }
+                }
+            }
+        }
+        Ok(QwenVlOutput {
+            pixel_values: out,
+            grid_thw: (1, gh as u32, gw as u32),
+            patch_dim,
+        })
+    }
+}
+
+impl QwenVlConfig {
+    /// Preprocesses the images of one request in parallel (rayon's pool); results in
+    /// input order, each image's own error in its slot.
+    pub fn preprocess_many(
+        &self,
+        images: &[&[u8]],
+        allowed: &[ImageFormat],
+        max_image_pixels: u64,
+    ) -> Vec<Result<QwenVlOutput>> {
+        use rayon::prelude::*;
+        if images.len() == 1 {
+            return vec![self.preprocess(images[0], allowed, max_image_pixels)];
+        }
+        images
+            .par_iter()
+            .map(|data| self.preprocess(data, allowed, max_image_pixels))
+            .collect()
+    }
+}
