@@ -208,7 +208,7 @@ def load_model(
         raise ModelLoadError(f"{family.name} config: {exc}") from None
 
     parts: dict[str, nn.Module] = {}
-    with _parameters_on_meta():
+    with parameters_on_meta():
         if load_vision:
             tower = family.vision_tower_class()
             parts["vision"] = tower._from_config(config.vision_config, dtype=torch.float32)
@@ -275,7 +275,7 @@ _PART_NAMES = {"vision": "vision tower", "language": "language model"}
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the ``meta`` device (no memory,
     and initialisation is a no-op); buffers (rotary frequencies) stay real."""
     original = nn.Module.register_parameter
