@@ -4,7 +4,11 @@ prefills and continuation chunks (block sizes 16 and 32, GQA ratios 1, 2 and 7).
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ from ec_frontend.model.interface import AttentionMetadata
 from ec_frontend.model.paged_attention import BACKENDS, build_layout, paged_attention, write_kv
 
 HEAD_DIM = 16
+#: ``triton`` runs on the CPU only under Triton's interpreter: its own test below.
+CPU_BACKENDS = tuple(b for b in BACKENDS if b != "triton")
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 160
 
@@ -107,7 +113,7 @@ def test_backends_equal_the_gather_path(block_size: int, ratio: int) -> None:
         ref_other = paged_attention(
             query, key, value, other, build_layout(meta, query.device, "gather"), scale
         )
-        for backend in BACKENDS:
+        for backend in CPU_BACKENDS:
             layout = build_layout(meta, query.device, backend)
             for layer_cache, want in ((cache, ref), (other, ref_other)):
                 got = paged_attention(query, key, value, layer_cache, layout, scale)
@@ -119,3 +125,44 @@ def test_unknown_backend_is_refused() -> None:
     meta, query, *_ = _step(random.Random(0), 16, 1)
     with pytest.raises(ValueError, match="unknown attention backend"):
         build_layout(meta, query.device, "nope")
+
+
+def check_triton_decode(block_size: int, ratio: int) -> None:
+    """The Triton backend against the gather path on random mixed steps with decodes."""
+    rng = random.Random(block_size * 100 + ratio)
+    torch.manual_seed(block_size * 3 + ratio)
+    scale = HEAD_DIM**-0.5
+    decodes = 0
+    while decodes < 2:
+        meta, query, key, value, cache = _step(rng, block_size, ratio)
+        if 1 not in meta.query_lens_cpu:
+            continue
+        decodes += meta.query_lens_cpu.count(1)
+        want = paged_attention(
+            query, key, value, cache, build_layout(meta, query.device, "gather"), scale
+        )
+        got = paged_attention(
+            query, key, value, cache, build_layout(meta, query.device, "triton"), scale
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_decode_equals_the_gather_path() -> None:
+    """The Triton kernel, reading each decode's blocks in place, run by Triton's
+    interpreter (the kernel source CUDA compiles) in a process that sets
+    ``TRITON_INTERPRET=1`` before Triton is imported: block sizes 16 and 32, GQA
+    ratios 1, 2 and 7."""
+    code = (
+        "from tests.model.test_attention_paths import check_triton_decode\n"
+        "for bs in (16, 32):\n"
+        "    for ratio in (1, 2, 7):\n"
+        "        check_triton_decode(bs, ratio)\n"
+        "print('ok')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]

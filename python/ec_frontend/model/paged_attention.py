@@ -17,6 +17,9 @@ share. Grouped KV heads are expanded by SDPA (``enable_gqa``).
 
 The ``gather`` backend is the previous path (3-D calls with an explicit
 boolean mask for every prefill chunk); it stays as the portable reference.
+The ``triton`` backend runs prefills as ``sdpa`` and decodes through a Triton
+kernel that reads each decode's K and V in place through its block table
+(:mod:`~ec_frontend.model.triton_decode`; CUDA, or Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ec_frontend.model.interface import AttentionMetadata
 
-#: ``sdpa``: 4-D fused-kernel calls (the default); ``gather``: the previous path.
-BACKENDS = ("sdpa", "gather")
+#: ``sdpa``: 4-D fused-kernel calls (the default); ``gather``: the previous path;
+#: ``triton``: ``sdpa`` prefills, decodes read in place by a Triton kernel.
+BACKENDS = ("sdpa", "gather", "triton")
 
 
 @dataclass(slots=True)
@@ -41,6 +45,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [D, blocks]
     mask: torch.Tensor  # [D, 1, 1, context] bool, True = may attend
     context: int
+    seq_lens: torch.Tensor  # [D] int64
     #: ``[2, D * blocks, block elements]``: the decodes' K and V blocks, allocated by
     #: the first layer and refilled by every later one (see :func:`_decode_context`).
     workspace: torch.Tensor | None = None
@@ -112,6 +117,7 @@ def build_layout(
             block_tables=tables[index, : -(-context // block_size)],
             mask=mask[:, None, None, :],
             context=context,
+            seq_lens=seq,
         )
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
@@ -170,7 +176,13 @@ def paged_attention(
     """
     out = torch.empty_like(query)
     group = layout.decodes
-    if group is not None:
+    if group is not None and layout.backend == "triton":
+        from ec_frontend.model.triton_decode import paged_decode
+
+        out[group.rows] = paged_decode(
+            query[group.rows], kv_cache, group.block_tables, group.seq_lens, scale
+        )
+    elif group is not None:
         if layout.backend == "gather":
             k, v = _gather(kv_cache, group.block_tables, group.context, query.dtype)
         else:
