@@ -31,6 +31,7 @@ import torch
 from ec_frontend.model.interface import AttentionMetadata
 from ec_frontend.model.paged_attention import BACKENDS
 from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig
+from ec_frontend.model.triton_decode import triton_available
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
@@ -122,23 +123,18 @@ def decode_tok_s(
     return concurrency * steps / (time.perf_counter() - start)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The device and shape flags of :func:`random_text_model`."""
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--output", type=Path, default=RESULTS / "bench_attention.json")
-    args = ap.parse_args()
-    device = torch.device(args.device)
+
+
+def random_text_model(args: argparse.Namespace) -> Qwen2TextModel:
+    """A Qwen2 language model with random weights (seed 0) of the flags' shape."""
     torch.manual_seed(0)
     head_dim = args.hidden // args.heads
     quarter = head_dim // 4
@@ -154,7 +150,31 @@ def main() -> None:
         mrope_section=(head_dim // 2 - 2 * quarter, quarter, quarter),
         tie_word_embeddings=True,
     )
-    model = Qwen2TextModel(cfg).to(device=device, dtype=getattr(torch, args.dtype)).eval()
+    model = Qwen2TextModel(cfg).to(device=torch.device(args.device))
+    return model.to(dtype=getattr(torch, args.dtype)).eval()
+
+
+def usable_backends(device: torch.device) -> tuple[str, ...]:
+    """``triton`` compiles for CUDA only (on the CPU it needs Triton's interpreter)."""
+    if device.type == "cuda" and triton_available():
+        return BACKENDS
+    return tuple(b for b in BACKENDS if b != "triton")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output", type=Path, default=RESULTS / "bench_attention.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    model = random_text_model(args)
+    backends = usable_backends(device)
     cases = {
         "prefill_s": lambda: prefill_s(model, args.prompt, args.prompt, device),
         "chunked_prefill_s": lambda: prefill_s(model, args.prompt, args.chunk, device),
@@ -162,14 +182,14 @@ def main() -> None:
             model, args.concurrency, args.context, args.steps, device
         ),
     }
-    samples: dict[str, dict[str, list[float]]] = {b: {c: [] for c in cases} for b in BACKENDS}
+    samples: dict[str, dict[str, list[float]]] = {b: {c: [] for c in cases} for b in backends}
     with torch.inference_mode():
-        for backend in BACKENDS:  # warm-up
+        for backend in backends:  # warm-up
             model.attention_backend = backend
             prefill_s(model, 256, 128, device)
             decode_tok_s(model, 2, 64, 2, device)
         for r in range(args.rounds):
-            order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+            order = backends if r % 2 == 0 else backends[::-1]
             for backend in order:
                 model.attention_backend = backend
                 for name, run in cases.items():
@@ -183,6 +203,8 @@ def main() -> None:
         "chunked_prefill_speedup": old["chunked_prefill_s"] / new["chunked_prefill_s"],
         "decode_speedup": new["decode_tok_s"] / old["decode_tok_s"],
     }
+    if "triton" in median:
+        ratios["triton_decode_vs_sdpa"] = median["triton"]["decode_tok_s"] / new["decode_tok_s"]
     result: dict[str, Any] = {
         "config": {**vars(args), "output": str(args.output), "block_size": BLOCK_SIZE},
         "host": {
@@ -195,7 +217,7 @@ def main() -> None:
         "samples": samples,
         "ratios": ratios,
     }
-    for backend in BACKENDS:
+    for backend in backends:
         m = median[backend]
         print(
             f"{backend:7s} prefill {args.prompt} tok: {m['prefill_s']:.3f} s  "
