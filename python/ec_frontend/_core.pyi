@@ -284,3 +284,75 @@ def decode_data_url(url: str) -> tuple[str, bytes]:
 
 def is_valid_mm_hash(value: str) -> bool:
     """True for a non-empty lower-case hex string of at most 128 characters."""
+
+# --- native image preprocessing (ec_core::preprocess) ---------------------------------
+
+class ImageError(ValueError):
+    """An image that cannot be preprocessed. ``str(err)`` is ``"image {index} {message}"``."""
+
+    index: int
+    """Position of the failing image in the call's list."""
+    message: str
+    """Why, without the image's name (``"is truncated"``, ``"is a TIFF image; ..."``)."""
+    code: str
+    """``"invalid_image"`` or ``"image_too_large"``."""
+
+class PixelBuffer:
+    """Float32 pixel values of one image through the buffer protocol (1-D, format ``"f"``,
+    writable): ``numpy.frombuffer(buf, dtype=numpy.float32)`` and ``torch.frombuffer``
+    wrap it without a copy."""
+
+    def __len__(self) -> int:
+        """Number of float32 values."""
+
+class QwenVlPreprocessor:
+    """transformers' Qwen2-VL image processor (PIL backend) in Rust: decode (PNG, JPEG,
+    WebP, GIF first frame, BMP), RGB (transparency over white), ``smart_resize``, Pillow's
+    resampling, rescale, normalize, patchify. Equal to transformers' output."""
+
+    def __init__(
+        self,
+        *,
+        min_pixels: int,
+        max_pixels: int,
+        patch_size: int,
+        merge_size: int,
+        temporal_patch_size: int,
+        rescale_factor: float,
+        image_mean: list[float],
+        image_std: list[float],
+        resample: int = 3,
+        formats: list[str] | None = None,
+        max_image_pixels: int = 64_000_000,
+    ) -> None:
+        """``resample`` is Pillow's number (2 bilinear, 3 bicubic); ``formats`` Pillow's
+        names of the decoders allowed (default all five); images over
+        ``max_image_pixels`` (from the header) are refused before decoding. Raises
+        ``ValueError`` for settings it cannot honour."""
+
+    def grid(
+        self,
+        width: int,
+        height: int,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> tuple[int, int, int]:
+        """``(t, h, w)`` of a ``width`` x ``height`` image, from its size alone."""
+
+    def preprocess(
+        self,
+        images: list[bytes],
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> list[tuple[PixelBuffer, tuple[int, int], tuple[int, int, int]]]:
+        """Per image ``(pixels, (rows, patch_dim), (t, h, w))``, in order. The GIL is
+        released throughout; the images are processed in parallel. Raises
+        :class:`ImageError` for the first failing image (by position)."""
+
+def probe_image(
+    data: bytes, *, index: int = 0, formats: list[str] | None = None
+) -> tuple[str, int, int]:
+    """``(format, width, height)`` from the header alone (nothing is decoded). Raises
+    :class:`ImageError` (with ``index``) for empty, unknown, unsupported or damaged headers."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,11 @@ class MockInputs:
     cache_salt: str | None = None
 
 
+#: A checkpoint directory whose image processor the mock runs on every inline image
+#: (for benchmarks of the preprocessing path); unset: images are not preprocessed.
+MOCK_IMAGE_MODEL_ENV = "EC_FRONTEND_MOCK_IMAGE_MODEL"
+
+
 class MockProcessor:
     """Flattens chat messages to ``role: text`` lines; an image becomes placeholders."""
 
@@ -83,6 +89,12 @@ class MockProcessor:
 
     def __init__(self) -> None:
         self.tokenizer = CharTokenizer()
+        image_model = os.environ.get(MOCK_IMAGE_MODEL_ENV)
+        self.images: Any = None
+        if image_model:
+            from ec_frontend.model.loader import load_processor
+
+            self.images = load_processor(image_model)
 
     def process_chat(
         self,
@@ -94,6 +106,11 @@ class MockProcessor:
         mm_processor_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
     ) -> MockInputs:
+        if self.images is not None:
+            order = [
+                p["media_index"] for m in messages for p in m["content"] if p["type"] != "text"
+            ]
+            self.images._images(media, order, None)
         pieces: list[str] = []
         features: list[MockFeature] = []
         offset = 0

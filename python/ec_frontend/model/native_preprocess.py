@@ -15,6 +15,7 @@ on either path (``ec_frontend_images_preprocessed_total`` on ``/metrics``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from ec_frontend.metrics import IMAGES_PREPROCESSED
 from ec_frontend.model.errors import InputError
 
 __all__ = [
+    "DISABLE_ENV",
     "NativeImagePreprocessor",
     "count_preprocessed",
     "images_preprocessed",
@@ -34,6 +36,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Set (to anything but ``0``) to keep transformers' processor even where the native
+#: rule applies (benchmarks and parity tests compare the two paths).
+DISABLE_ENV = "EC_FRONTEND_DISABLE_NATIVE_PREPROCESS"
 
 _count_lock = threading.Lock()
 
@@ -116,6 +122,8 @@ def native_preprocessor_for(
     settings are not covered; ``log`` says at INFO which path is used and why."""
     name = type(image_processor).__name__
     reason = _unsupported(image_processor, name)
+    if reason is None and os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        reason = f"disabled by {DISABLE_ENV}"
     if reason is not None:
         if log:
             logger.info("image preprocessing: transformers %s (native path: %s)", name, reason)

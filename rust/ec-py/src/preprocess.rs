@@ -1,8 +1,9 @@
 //! Bindings of `ec_core::preprocess`: the header probe and the Qwen2-VL image rule.
-//! Pixels come back in a read-only buffer object (`PixelBuffer`, float32) that
+//! Pixels come back in a buffer object (`PixelBuffer`, float32) that
 //! `numpy.frombuffer` / `torch.frombuffer` wrap without a copy. The GIL is released for
 //! every decode; the images of one call are processed in parallel.
 
+use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
 
 use ec_core::preprocess::{self, Filter, ImageFormat, PreprocessError, QwenVlConfig, QwenVlOutput};
@@ -65,10 +66,19 @@ pub fn probe_image(
     Ok((info.format.name(), info.width, info.height))
 }
 
-/// Float32 pixels of one image, exposed through the buffer protocol (read-only, 1-D).
+/// Pixels handed to Python. Rust never reads or writes them after construction (only
+/// frees them); Python may write through the buffer (torch wants writable memory), so
+/// they live in `UnsafeCell`s.
+struct SharedPixels(Box<[UnsafeCell<f32>]>);
+
+// SAFETY: Rust code never accesses the cells after construction; concurrent access
+// through exported buffers is Python's (and its users') concern, as for `bytearray`.
+unsafe impl Sync for SharedPixels {}
+
+/// Float32 pixels of one image, exposed through the buffer protocol (writable, 1-D).
 #[pyclass(module = "ec_frontend._core", name = "PixelBuffer", frozen)]
 pub struct PixelBuffer {
-    data: Vec<f32>,
+    data: SharedPixels,
     shape: [isize; 1],
     strides: [isize; 1],
 }
@@ -76,7 +86,7 @@ pub struct PixelBuffer {
 #[pymethods]
 impl PixelBuffer {
     fn __len__(&self) -> usize {
-        self.data.len()
+        self.data.0.len()
     }
 
     /// # Safety
@@ -90,14 +100,11 @@ impl PixelBuffer {
         if view.is_null() {
             return Err(PyBufferError::new_err("null view"));
         }
-        if flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
-            return Err(PyBufferError::new_err("PixelBuffer is read-only"));
-        }
         let this = slf.get();
         let v = &mut *view;
-        v.buf = this.data.as_ptr() as *mut c_void;
-        v.len = (this.data.len() * std::mem::size_of::<f32>()) as isize;
-        v.readonly = 1;
+        v.buf = UnsafeCell::raw_get(this.data.0.as_ptr()) as *mut c_void;
+        v.len = (this.data.0.len() * std::mem::size_of::<f32>()) as isize;
+        v.readonly = 0;
         v.itemsize = std::mem::size_of::<f32>() as isize;
         v.format = if flags & pyo3::ffi::PyBUF_FORMAT == pyo3::ffi::PyBUF_FORMAT {
             c"f".as_ptr() as *mut _
@@ -125,8 +132,11 @@ impl PixelBuffer {
 impl PixelBuffer {
     fn new(data: Vec<f32>) -> Self {
         let n = data.len() as isize;
+        let boxed: Box<[f32]> = data.into_boxed_slice();
+        // SAFETY: `UnsafeCell<f32>` is `repr(transparent)` over `f32`.
+        let cells = unsafe { Box::from_raw(Box::into_raw(boxed) as *mut [UnsafeCell<f32>]) };
         Self {
-            data,
+            data: SharedPixels(cells),
             shape: [n],
             strides: [std::mem::size_of::<f32>() as isize],
         }
