@@ -156,7 +156,12 @@ def test_parsed_fields(endpoint: str, fields: dict[str, Any], attr: str, expecte
         (
             "responses",
             {"input": "x", "max_output_tokens": 8, "top_logprobs": 2},
-            {"max_tokens": 8, "logprobs": 2},
+            {"max_tokens": 8, "logprobs": None},  # as vLLM: only with `include`
+        ),
+        (
+            "responses",
+            {"input": "x", "top_logprobs": 2, "include": ["message.output_text.logprobs"]},
+            {"logprobs": 2},
         ),
         (
             "generate",

@@ -170,7 +170,7 @@ pub fn parse_request(
             req.sampling = sampling_params(
                 &fields,
                 &ROOT,
-                LogprobStyle::Responses,
+                LogprobStyle::Responses(include_logprobs(fields.get(F::Include))?),
                 LengthFields {
                     fields: &[F::MaxOutputTokens],
                     default: None,
@@ -275,6 +275,44 @@ const OBJECT_FIELDS: [(F, &str); 5] = [
     (F::ChatTemplateKwargs, "chat_template_kwargs"),
     (F::VllmXargs, "vllm_xargs"),
 ];
+
+/// The extra Responses outputs vLLM 0.33 knows; only the output text's logprobs are
+/// served here.
+const INCLUDABLE: [&str; 6] = [
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+];
+
+/// Responses' `include`: whether it asks for the output text's logprobs; any other
+/// output it names is refused.
+fn include_logprobs(v: Option<&Value<'_>>) -> Result<bool> {
+    let path = ROOT.key("include");
+    let Some(v) = v else { return Ok(false) };
+    let mut logprobs = false;
+    for (i, item) in array(v, &path)?.iter().enumerate() {
+        let at = path.index(i);
+        match string(item, &at)? {
+            "message.output_text.logprobs" => logprobs = true,
+            other if INCLUDABLE.contains(&other) => {
+                return Err(value_error(
+                    &path,
+                    format!("'include' of {other:?} is not supported: only \"message.output_text.logprobs\""),
+                ))
+            }
+            other => {
+                return Err(value_error(
+                    &at,
+                    format!("{other:?} is not an output vLLM's Responses API can include"),
+                ))
+            }
+        }
+    }
+    Ok(logprobs)
+}
 
 /// Generate's `output_mode`; `derender` needs a chat parser this server does not have.
 fn output_mode(v: &Value<'_>) -> Result<&'static str> {

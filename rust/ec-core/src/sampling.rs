@@ -24,8 +24,9 @@ pub enum LogprobStyle {
     Chat,
     /// Completions and generate: `logprobs: int`.
     Count,
-    /// Responses: `top_logprobs: int` alone.
-    Responses,
+    /// Responses: `top_logprobs: int`, applied (as vLLM) only when `include` lists
+    /// `message.output_text.logprobs` (the flag).
+    Responses(bool),
 }
 
 /// Where the output length comes from.
@@ -172,7 +173,7 @@ pub fn sampling_params(
             Some(v) => Some(integer_in(v, &at.key("logprobs"), 0, MAX_LOGPROBS)? as u32),
             None => None,
         },
-        LogprobStyle::Responses => top_logprobs,
+        LogprobStyle::Responses(included) => included.then(|| top_logprobs.unwrap_or(0)),
     };
     p.prompt_logprobs = match fields.get(F::PromptLogprobs) {
         Some(v) => {

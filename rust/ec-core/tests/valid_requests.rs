@@ -52,7 +52,10 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Responses, r#"{"model":"m","input":"tell me"}"#.into(), "/messages", json!([{"role": "user", "content": [{"type": "text", "text": "tell me"}]}])),
         (Endpoint::Responses, r#"{"input":"tell me","instructions":"be brief"}"#.into(), "/messages/0", json!({"role": "system", "content": [{"type": "text", "text": "be brief"}]})),
         (Endpoint::Responses, r#"{"input":"x","max_output_tokens":12}"#.into(), "/sampling/max_tokens", json!(12)),
-        (Endpoint::Responses, r#"{"input":"x","top_logprobs":2}"#.into(), "/sampling/logprobs", json!(2)),
+        // As vLLM: Responses computes logprobs only when `include` asks for them.
+        (Endpoint::Responses, r#"{"input":"x","top_logprobs":2}"#.into(), "/sampling/logprobs", json!(null)),
+        (Endpoint::Responses, r#"{"input":"x","top_logprobs":2,"include":["message.output_text.logprobs"]}"#.into(), "/sampling/logprobs", json!(2)),
+        (Endpoint::Responses, r#"{"input":"x","include":["message.output_text.logprobs"]}"#.into(), "/sampling/logprobs", json!(0)),
         (Endpoint::Responses, format!(r#"{{"input":[{{"type":"message","role":"user","content":[{{"type":"input_text","text":"see"}},{{"type":"input_image","image_url":"{img}"}}]}}]}}"#), "/media/0/param", json!("input[0].content[1].image_url")),
         (Endpoint::Responses, r#"{"input":[{"role":"assistant","content":[{"type":"output_text","text":"ok"}]},{"role":"user","content":"go"}]}"#.into(), "/messages/1/role", json!("user")),
         (Endpoint::Generate, r#"{"request_id":"r1","token_ids":[1,2,3],"sampling_params":{"max_tokens":4,"temperature":0}}"#.into(), "/sampling/max_tokens", json!(4)),

@@ -120,7 +120,7 @@ fn coercion_applies_on_every_endpoint() {
     assert_eq!(p["echo"], json!(true));
     let p = json(&ok(
         Endpoint::Responses,
-        r#"{"input":"x","max_output_tokens":"5","top_logprobs":"2","stream":"on"}"#,
+        r#"{"input":"x","max_output_tokens":"5","top_logprobs":"2","stream":"on","include":["message.output_text.logprobs"]}"#,
     ));
     assert_eq!(p["sampling"]["max_tokens"], json!(5));
     assert_eq!(p["sampling"]["logprobs"], json!(2));
