@@ -317,6 +317,45 @@ def test_named_tool(client: openai.OpenAI, stream: bool) -> None:
         _check_call("add", calls[0]["arguments"])
 
 
+def test_responses_tools(client: openai.OpenAI) -> None:
+    """Responses' flat tools: a required call comes back as ``function_call`` items,
+    streamed or not, with arguments valid for the tool."""
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    for seed in range(3):
+        r = client.responses.create(
+            model=MODEL,
+            input="weather?",
+            max_output_tokens=400,
+            tools=flat,  # type: ignore[arg-type]
+            tool_choice="required",
+            extra_body={"seed": seed},
+        )
+        calls = [item for item in r.output if item.type == "function_call"]
+        assert calls and r.tool_choice == "required" and len(r.tools) == 2
+        for call in calls:
+            assert call.call_id.startswith("call_")
+            _check_call(call.name, call.arguments)
+    named = {"type": "function", "name": "get_weather"}
+    args = ""
+    done = None
+    with client.responses.stream(
+        model=MODEL,
+        input="weather?",
+        max_output_tokens=400,
+        tools=flat,
+        tool_choice=named,  # type: ignore[arg-type]
+    ) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                args += event.delta
+            if event.type == "response.completed":
+                done = event.response
+    assert done is not None
+    (call,) = [item for item in done.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.arguments == args
+    _check_call("get_weather", args)
+
+
 def test_conversation_with_tool_results_and_auto(client: openai.OpenAI) -> None:
     """Assistant ``tool_calls`` and ``tool`` messages are accepted; ``auto`` lets the
     model write text, which the parser reads (the random model writes no call)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -185,6 +186,16 @@ _WHAT = {
 }
 
 
+#: Fewer constrained rows than this are masked one after the other on the worker
+#: thread: waking the library's thread pool costs more than it saves (its threads
+#: spin for a while after each batch, taking cores from the model's forward).
+PARALLEL_MIN_ROWS = 4
+
+
+def _default_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -193,8 +204,10 @@ class BitmaskFiller:
     """Fills the bitmask of a step's constrained rows, on one worker thread.
 
     ``start`` returns a future so that the caller can run the model meanwhile;
-    the work itself (catching each matcher up, then computing all masks with
-    llguidance's parallel executor) releases the GIL.
+    the work itself (catching each matcher up, then computing the masks, with
+    llguidance's parallel executor from :data:`PARALLEL_MIN_ROWS` rows on, its
+    threads half the host's cores up to 8 unless ``num_threads`` says) releases
+    the GIL.
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
@@ -205,7 +218,7 @@ class BitmaskFiller:
     def _ensure(self) -> tuple[ThreadPoolExecutor, llguidance.LLExecutor]:
         if self._pool is None or self._executor is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-            self._executor = llguidance.LLExecutor(self._num_threads)
+            self._executor = llguidance.LLExecutor(self._num_threads or _default_threads())
         return self._pool, self._executor
 
     def start(
@@ -246,7 +259,7 @@ def fill_bitmask(
         else:
             work.append((state.matcher, i))
     if work:
-        if executor is None:
+        if executor is None or len(work) < PARALLEL_MIN_ROWS:
             for matcher, i in work:
                 row = mask[i]
                 matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)

@@ -22,6 +22,7 @@ from ec_frontend.entrypoints.context import DONE, RequestContext, sse_event
 from ec_frontend.entrypoints.errors import engine_failure, error_body
 from ec_frontend.entrypoints.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.serving import Serving
+from ec_frontend.entrypoints.tool_parsers import response_function_calls
 
 
 def _usage(choice: Choice) -> dict[str, Any]:
@@ -76,11 +77,9 @@ def response_object(
         "instructions": parsed.instructions,
         "max_output_tokens": sampling.get("max_tokens"),
         "output": output,
-        "parallel_tool_calls": False,
+        **_tools_echo(parsed.structured),
         "temperature": sampling.get("temperature"),
         "top_p": sampling.get("top_p"),
-        "tool_choice": "none",
-        "tools": [],
         "text": {"format": {"type": "text"}},
         "usage": usage,
         "user": parsed.user,
@@ -90,18 +89,47 @@ def response_object(
     }
 
 
+def _tools_echo(structured: dict[str, Any] | None) -> dict[str, Any]:
+    """``parallel_tool_calls``, ``tool_choice`` and ``tools`` as the request set them."""
+    structured = structured or {}
+    choice: Any = structured.get("tool_choice") or "none"
+    if choice == "function":
+        choice = {"type": "function", "name": structured.get("tool_name")}
+    tools = [{"type": "function", **t} for t in structured.get("tools") or []]
+    return {
+        "parallel_tool_calls": bool(structured.get("parallel_tool_calls", False)),
+        "tool_choice": choice,
+        "tools": tools,
+    }
+
+
+def _error_payload(message: str) -> dict[str, Any]:
+    """The ``error`` event of a request the engine failed, classified as its response."""
+    e = engine_failure(message)
+    return orjson.loads(error_body(e.status, e.message, e.param, e.code))["error"]
+
+
+def _output(ctx: RequestContext, choice: Choice) -> list[dict[str, Any]]:
+    """The output items: the message, or with tools the message (if any text is
+    left) and one ``function_call`` item per call."""
+    msg_id = f"msg_{ctx.request_id}"
+    if choice.tools is None:
+        return [_message(msg_id, choice.text, "completed")]
+    content, calls = response_function_calls(choice.tools, choice.text)
+    return ([_message(msg_id, content, "completed")] if content else []) + calls
+
+
 def response_body(
     serving: Serving, ctx: RequestContext, parsed: ParsedRequest, choice: Choice, resp_id: str
 ) -> bytes:
     """A non-stream ``response`` object."""
-    msg = _message(f"msg_{ctx.request_id}", choice.text, "completed")
     return orjson.dumps(
         response_object(
             ctx,
             parsed,
             resp_id,
             status="completed",
-            output=[msg],
+            output=_output(ctx, choice),
             usage=_usage(choice),
             choice=choice,
         )
@@ -126,6 +154,10 @@ async def response_stream(
     )
     yield event("response.created", {"response": start})
     yield event("response.in_progress", {"response": start})
+    if jobs and jobs[0].tools is not None:
+        async for chunk in _tool_events(serving, ctx, parsed, jobs, resp_id, event):
+            yield chunk
+        return
     loc = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     yield event(
         "response.output_item.added",
@@ -135,9 +167,7 @@ async def response_stream(
     final: Choice | None = None
     async for c, out in serving.stream(jobs, ctx.started):
         if c.error is not None:
-            e = engine_failure(c.error)
-            body = orjson.loads(error_body(e.status, e.message, e.param, e.code))["error"]
-            yield event("error", body)
+            yield event("error", _error_payload(c.error))
             yield DONE
             return
         if out.text or out.token_ids:
@@ -158,6 +188,55 @@ async def response_stream(
         output=[item],
         usage=_usage(final),
         choice=final,
+    )
+    kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+    yield event(kind, {"response": done})
+    yield DONE
+
+
+async def _tool_events(
+    serving: Serving,
+    ctx: RequestContext,
+    parsed: ParsedRequest,
+    jobs: list[Job],
+    resp_id: str,
+    event: Any,
+) -> AsyncIterator[bytes]:
+    """With tools: the output is read whole, then each item's events are sent (the
+    message's text, each call's arguments in one delta)."""
+    final: Choice | None = None
+    async for c, out in serving.stream(jobs, ctx.started):
+        if c.error is not None:
+            yield event("error", _error_payload(c.error))
+            yield DONE
+            return
+        if out.finished:
+            final = c
+    if final is None:
+        return
+    items = _output(ctx, final)
+    for index, item in enumerate(items):
+        pending = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            pending["content"] = []
+        else:
+            pending["arguments"] = ""
+        yield event("response.output_item.added", {"output_index": index, "item": pending})
+        loc = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            part = {**loc, "content_index": 0}
+            yield event("response.content_part.added", {**part, "part": _part("")})
+            yield event("response.output_text.delta", {**part, "delta": text, "logprobs": []})
+            yield event("response.output_text.done", {**part, "text": text, "logprobs": []})
+            yield event("response.content_part.done", {**part, "part": _part(text)})
+        else:
+            args = item["arguments"]
+            yield event("response.function_call_arguments.delta", {**loc, "delta": args})
+            yield event("response.function_call_arguments.done", {**loc, "arguments": args})
+        yield event("response.output_item.done", {"output_index": index, "item": item})
+    done = response_object(
+        ctx, parsed, resp_id, status="completed", output=items, usage=_usage(final), choice=final
     )
     kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
     yield event(kind, {"response": done})

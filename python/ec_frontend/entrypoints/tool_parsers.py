@@ -409,3 +409,20 @@ class ChatToolStream:
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         return _finish_reason(self.plan, finish_reason, bool(self.parser.calls))
+
+
+def response_function_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Responses API: the content left and one ``function_call`` output item per call."""
+    content, calls = HermesParser().extract(text)
+    items = [
+        {
+            "type": "function_call",
+            "id": f"fc_{call.id.removeprefix('chatcmpl-tool-')}",
+            "call_id": f"call_{call.id.removeprefix('chatcmpl-tool-')}",
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+        for call in calls
+    ]
+    return content, items
