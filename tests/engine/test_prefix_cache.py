@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.connectors.kv_base import KVConnectorRole
+from ec_frontend.connectors.noop import NoOpKVConnector
 from ec_frontend.engine.block_hash import extend_block_hashes
 from ec_frontend.engine.config import SchedulerConfig
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
@@ -169,6 +171,49 @@ def test_salts_never_share_in_the_scheduler(h: Any) -> None:
     assert computed == {"a1": 0, "b1": 0, "none": 0, "a2": 40, "b2": 40}
     assert sched.counters.prefix_cache_hits == 80
     assert sched.counters.prefix_cache_queries == 5 * 41
+
+
+class RemoteKV(NoOpKVConnector):
+    """Says the KV of request ``remote`` comes from elsewhere (all but its last token)."""
+
+    def __init__(self, load_async: bool) -> None:
+        super().__init__(None, KVConnectorRole.SCHEDULER)
+        self.load_async = load_async
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        if request.request_id != "remote":
+            return 0, False
+        return request.num_tokens - 1 - num_computed, self.load_async
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_received_kv_is_kept_and_serves_later_requests(load_async: bool, h: Any) -> None:
+    """A decode instance: the request whose prompt KV arrives is not looked up (and
+    keeps its received tokens when it resumes); the blocks it received, once keyed,
+    give a later local request with the same prompt a hit."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128),
+        kv_cache=KVCacheManager(64, BS, enable_prefix_caching=True),
+        encoder_cache=EncoderCacheManager(64),
+        kv_connector=RemoteKV(load_async),
+    )
+    ids = list(range(1, 21))
+    sched.add_request(tokens_request("remote", ids))
+    so = sched.schedule()
+    if load_async:
+        assert so.scheduled == []
+        sched.update_from_output(so, ModelRunnerOutput(kv_finished_recving={"remote"}))
+        so = sched.schedule()
+    (item,) = so.scheduled
+    assert (item.num_computed_tokens, item.num_scheduled_tokens) == (19, 1)
+    sched.update_from_output(so, h.fake_runner_output(so))
+    assert sched.counters.prefix_cache_queries == 0
+    sched.add_request(tokens_request("local", ids))
+    so = sched.schedule()
+    local = next(s for s in so.scheduled if s.request_id == "local")
+    assert local.num_computed_tokens == 16
+    assert sched.counters.prefix_cache_hits == 16
+    assert sched.counters.kv_tokens_received == 19
 
 
 # ---- the real engine on the built-in model ------------------------------------
