@@ -22,6 +22,12 @@ import torch
 from ec_frontend.model import builtin
 from PIL import Image
 from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -146,6 +152,93 @@ def save_processor(processor: Any, directory: Path, class_name: str) -> None:
         config = json.loads(path.read_text(encoding="utf-8"))
         config["processor_class"] = class_name
         path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+#: LLaVA-1.5's conversation format: "USER: <image>\n... ASSISTANT:".
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] != 'user' %}<|im_end|>{% endif %} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+LLAVA_IMAGE_SIZE = 56
+
+
+def write_llava(directory: Path) -> Path:
+    """A tiny LLaVA-1.5 checkpoint: a 2-layer Llama decoder (hidden 64, GQA 4/2), a
+    3-layer CLIP tower on 56x56 images (16 patches -> 16 image tokens), the projector."""
+    tok = tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = LLAVA_TEMPLATE
+    ids = special_ids(tok)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    vocab = builtin._round_up(len(tok), 64)
+    text = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        image_size=LLAVA_IMAGE_SIZE, patch_size=14, projection_dim=32,
+        initializer_range=INITIALIZER_RANGE,
+    )  # fmt: skip
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image_id,
+        image_seq_length=(LLAVA_IMAGE_SIZE // 14) ** 2,
+        initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(directory)
+    processor = LlavaProcessor(
+        image_processor=llava_image_processor(),
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_TEMPLATE,
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+    save_processor(processor, directory, "LlavaProcessor")
+    return directory
+
+
+def llava_image_processor() -> CLIPImageProcessor:
+    return CLIPImageProcessor(
+        size={"shortest_edge": LLAVA_IMAGE_SIZE},
+        crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+    )
+
+
+def load_hf_llava_processor(directory: Path) -> LlavaProcessor:
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessor.from_pretrained(directory),
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(directory),
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        chat_template=(directory / "chat_template.jinja").read_text(encoding="utf-8"),
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llava(tmp_path_factory.mktemp("llava"))
 
 
 @pytest.fixture(scope="session")

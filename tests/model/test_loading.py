@@ -146,7 +146,7 @@ def _edit_config(directory: Path, **changes: object) -> None:
         (
             lambda d: _edit_config(d, model_type="gemma3", architectures=["Gemma3ForCausalLM"]),
             "unsupported model_type 'gemma3' (architectures ['Gemma3ForCausalLM']); "
-            "supported: qwen2_vl (Qwen2-VL), qwen2_5_vl (Qwen2.5-VL)",
+            "supported: qwen2_vl (Qwen2-VL), qwen2_5_vl (Qwen2.5-VL), llava (LLaVA-1.5)",
         ),
         (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer"),
         (lambda d: (d / "preprocessor_config.json").unlink(), "has no image processor config"),
@@ -170,9 +170,11 @@ def test_startup_error_is_one_clear_line(builtin_model_dir, tmp_path, breakage, 
 def test_unsupported_family_is_refused_before_any_weight_is_read(builtin_model_dir, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(builtin_model_dir, directory)
-    _edit_config(directory, model_type="llava", architectures=["LlavaForConditionalGeneration"])
+    _edit_config(
+        directory, model_type="idefics3", architectures=["Idefics3ForConditionalGeneration"]
+    )
     (directory / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'llava'"):
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'idefics3'"):
         load_model(directory, device="cpu")
 
 

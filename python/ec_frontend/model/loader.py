@@ -210,8 +210,7 @@ def load_model(
     parts: dict[str, nn.Module] = {}
     with parameters_on_meta():
         if load_vision:
-            tower = family.vision_tower_class()
-            parts["vision"] = tower._from_config(config.vision_config, dtype=torch.float32)
+            parts["vision"] = family.build_vision(config)
         if load_language:
             parts["language"] = Qwen2TextModel(text_cfg)
     if load_format == "dummy":
@@ -224,7 +223,8 @@ def load_model(
     for name, module in parts.items():
         _finish(module, _PART_NAMES[name], target_device)
     vision, language = parts.get("vision"), parts.get("language")
-    return Qwen2VLModel(
+    model_class: type[Qwen2VLModel] = family.model_type()
+    return model_class(
         text_config=text_cfg,
         image_token_id=int(config.image_token_id),
         spatial_merge_size=family.spatial_merge_size(config),
@@ -253,7 +253,11 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
         )
     try:
         return InputProcessor.from_pretrained(
-            directory, config, model_id=model_id, positions=family.positions(config)
+            directory,
+            config,
+            model_id=model_id,
+            positions=family.positions(config),
+            spatial_merge_size=family.spatial_merge_size(config),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(

@@ -113,8 +113,12 @@ class InputProcessor:
         model_id: str = "",
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         positions: PositionSpec | None = None,
+        patch_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: Vision patch size, for image processors that give pixels but no grid
+        #: (a fixed-size image is then one frame of ``(h / patch, w / patch)`` patches).
+        self.patch_size = patch_size
         #: The family's position scheme (default: M-RoPE).
         self.positions = positions or PositionSpec("mrope")
         self.image_processor = image_processor
@@ -166,6 +170,7 @@ class InputProcessor:
         *,
         model_id: str = "",
         positions: PositionSpec | None = None,
+        spatial_merge_size: int | None = None,
     ) -> InputProcessor:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = AutoImageProcessor.from_pretrained(directory)
@@ -173,11 +178,16 @@ class InputProcessor:
             tokenizer,
             image_processor,
             image_token_id=int(config.image_token_id),
-            spatial_merge_size=int(config.vision_config.spatial_merge_size),
+            spatial_merge_size=int(
+                config.vision_config.spatial_merge_size
+                if spatial_merge_size is None
+                else spatial_merge_size
+            ),
             vocab_size=int(config.text_config.vocab_size),
             max_model_len=int(config.text_config.max_position_embeddings),
             model_id=model_id,
             positions=positions,
+            patch_size=getattr(config.vision_config, "patch_size", None),
         )
 
     @property
@@ -384,8 +394,16 @@ class InputProcessor:
         finally:
             image.close()
         count_preprocessed()
-        t, h, w = (int(v) for v in out["image_grid_thw"][0])
-        return item.mm_hash, (t, h, w), out["pixel_values"].to(torch.float32)
+        pixels = out["pixel_values"].to(torch.float32)
+        if "image_grid_thw" in out:
+            t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        elif self.patch_size and pixels.ndim == 4:
+            t, h, w = 1, pixels.shape[2] // self.patch_size, pixels.shape[3] // self.patch_size
+        else:
+            raise InputError(
+                f"image {index}: the image processor gave no grid", code="invalid_image"
+            )
+        return item.mm_hash, (t, h, w), pixels
 
     def _reference_grid(
         self, grid: Sequence[int], index: int, size: dict[str, int] | None
@@ -435,6 +453,13 @@ def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:
     size = getattr(image_processor, "size", None) or {}
     low = size.get("shortest_edge") or getattr(image_processor, "min_pixels", None)
     high = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
+    crop = getattr(image_processor, "crop_size", None)
+    crop_hw = [crop.get(k) if isinstance(crop, Mapping) else getattr(crop, k, None)
+               for k in ("height", "width")]  # fmt: skip
+    if not high and all(crop_hw):
+        # A fixed-size processor (resize and center crop): one pixel count.
+        area = int(crop_hw[0]) * int(crop_hw[1])
+        return area, area
     if not low or not high:
         raise ValueError("the image processor has no min_pixels / max_pixels")
     return int(low), int(high)

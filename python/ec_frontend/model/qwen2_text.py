@@ -42,6 +42,8 @@ class TextModelConfig:
     rope_theta: float
     mrope_section: tuple[int, int, int]
     tie_word_embeddings: bool
+    #: q/k/v projections with a bias (Qwen2); Llama has none.
+    attention_bias: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -73,10 +75,28 @@ def qwen2_text_config(config: Any) -> TextModelConfig:
     section = tuple(rope.get("mrope_section") or ())
     if len(section) != 3:
         raise ModelLoadError(f"config has no 3-part mrope_section (got {list(section)})")
-    if text.hidden_act != "silu":
-        raise ModelLoadError(f"unsupported hidden_act {text.hidden_act!r} (expected 'silu')")
     if getattr(text, "use_sliding_window", False):
         raise ModelLoadError("sliding-window attention is not supported")
+    return decoder_config(
+        config,
+        rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
+        mrope_section=(int(section[0]), int(section[1]), int(section[2])),
+        attention_bias=True,
+    )
+
+
+def decoder_config(
+    config: Any,
+    *,
+    rope_theta: float,
+    mrope_section: tuple[int, int, int],
+    attention_bias: bool,
+) -> TextModelConfig:
+    """The shape of ``config.text_config`` (a SwiGLU decoder) with the family's rotary
+    settings; :class:`ModelLoadError` for another activation."""
+    text = config.text_config
+    if text.hidden_act != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {text.hidden_act!r} (expected 'silu')")
     return TextModelConfig(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
@@ -85,9 +105,10 @@ def qwen2_text_config(config: Any) -> TextModelConfig:
         num_heads=text.num_attention_heads,
         num_kv_heads=text.num_key_value_heads or text.num_attention_heads,
         rms_norm_eps=text.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-        mrope_section=(int(section[0]), int(section[1]), int(section[2])),
-        tie_word_embeddings=bool(config.tie_word_embeddings),
+        rope_theta=rope_theta,
+        mrope_section=mrope_section,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=attention_bias,
     )
 
 
@@ -143,9 +164,10 @@ class Attention(nn.Module):
         super().__init__()
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=True)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
         self.scale = d**-0.5
 

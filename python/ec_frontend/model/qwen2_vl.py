@@ -99,11 +99,7 @@ class Qwen2VLModel(VisionLanguageModel):
     def encode_images(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
     ) -> list[torch.Tensor]:
-        if self.vision is None:
-            raise ComponentNotLoadedError(
-                "this instance was loaded without the vision tower (load_vision=False); "
-                "image embeddings must come from an encoder instance"
-            )
+        vision = self._vision()
         grid = image_grid_thw.to(dtype=torch.int64, device="cpu")
         if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or bool((grid <= 0).any()):
             raise ValueError(f"image_grid_thw must be [num_images, 3] of positive ints, got {grid}")
@@ -116,7 +112,7 @@ class Qwen2VLModel(VisionLanguageModel):
                 f"pixel_values has shape {tuple(pixel_values.shape)}, but the grids hold "
                 f"{int(patches.sum())} patches"
             )
-        out = self.vision(
+        out = vision(
             pixel_values.to(device=self.device, dtype=self.dtype),
             grid_thw=grid.to(self.device),
         )
@@ -145,6 +141,14 @@ class Qwen2VLModel(VisionLanguageModel):
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self._language().logits(hidden_states)
+
+    def _vision(self) -> nn.Module:
+        if self.vision is None:
+            raise ComponentNotLoadedError(
+                "this instance was loaded without the vision tower (load_vision=False); "
+                "image embeddings must come from an encoder instance"
+            )
+        return self.vision
 
     def _language(self) -> Qwen2TextModel:
         if self.language is None:

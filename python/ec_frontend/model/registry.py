@@ -43,6 +43,7 @@ __all__ = [
 FAMILIES: Mapping[str, str] = {
     "qwen2_vl": "ec_frontend.model.qwen2_vl",
     "qwen2_5_vl": "ec_frontend.model.qwen2_5_vl",
+    "llava": "ec_frontend.model.llava",
 }
 
 
@@ -84,7 +85,12 @@ class ModelFamily:
     returning the projected per-token features as ``pooler_output``).
     ``weight_prefixes`` maps checkpoint names to parts: ``(prefix, part, inner
     prefix)``, first match wins. ``text_config`` reads the language model's shape,
-    ``positions`` the position scheme, from the checkpoint config.
+    ``positions`` the position scheme, from the checkpoint config. A family whose
+    tower is more than one ``transformers`` module gives ``vision_builder`` (the
+    whole config -> the vision part) and its own ``model_class`` (``"module:Class"``
+    of the :class:`~ec_frontend.model.interface.VisionLanguageModel`);
+    ``merge_size`` reads how many patches per side one placeholder token merges
+    (default: ``vision_config.spatial_merge_size``).
     """
 
     name: str
@@ -94,13 +100,24 @@ class ModelFamily:
     weight_prefixes: tuple[tuple[str, str, str], ...]
     text_config: Callable[[PretrainedConfig], TextModelConfig]
     positions: Callable[[PretrainedConfig], PositionSpec]
+    vision_builder: Callable[[PretrainedConfig], nn.Module] | None = None
+    model_class: str = "ec_frontend.model.qwen2_vl:Qwen2VLModel"
+    merge_size: Callable[[PretrainedConfig], int] | None = None
 
-    def vision_tower_class(self) -> type[nn.Module]:
-        module, _, attr = self.vision_tower.partition(":")
-        return getattr(importlib.import_module(module), attr)
+    def build_vision(self, config: PretrainedConfig) -> nn.Module:
+        """The vision part, built from the checkpoint config (float32 buffers)."""
+        if self.vision_builder is not None:
+            return self.vision_builder(config)
+        import torch
 
-    @staticmethod
-    def spatial_merge_size(config: PretrainedConfig) -> int:
+        return _import(self.vision_tower)._from_config(config.vision_config, dtype=torch.float32)
+
+    def model_type(self) -> type:
+        return _import(self.model_class)
+
+    def spatial_merge_size(self, config: PretrainedConfig) -> int:
+        if self.merge_size is not None:
+            return self.merge_size(config)
         return int(config.vision_config.spatial_merge_size)
 
     def num_image_tokens(self, config: PretrainedConfig, grid_thw: tuple[int, int, int]) -> int:
@@ -121,9 +138,9 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def family_for(config: PretrainedConfig | Mapping[str, Any]) -> ModelFamily:
-    """The family of a checkpoint config: its ``model_type``, or its
-    ``architectures`` when it has no ``model_type``. Raises :class:`UnsupportedModelError` naming both and the
-    supported families."""
+    """The family of a checkpoint config: its ``model_type``, or its ``architectures``
+    when it has no ``model_type``. Raises :class:`UnsupportedModelError` naming both
+    and the supported families."""
     get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
     model_type = get("model_type")
     architectures = list(get("architectures") or ())
@@ -139,6 +156,11 @@ def family_for(config: PretrainedConfig | Mapping[str, Any]) -> ModelFamily:
             f"supported: {', '.join(f'{t} ({_load(m).name})' for t, m in FAMILIES.items())}"
         )
     return _load(module)
+
+
+def _import(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _load(module: str) -> ModelFamily:
