@@ -32,7 +32,10 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
 )
 
 SEED = 1234
@@ -64,11 +67,26 @@ def qwen_image_processor() -> Qwen2VLImageProcessor:
     )
 
 
-def qwen2_5_vl_config(
-    ids: dict[str, int], vocab_size: int, *, text: dict[str, Any], vision: dict[str, Any]
-) -> Qwen2_5_VLConfig:
-    """A Qwen2.5-VL config with the given text / vision shapes and the tokenizer's ids."""
-    return Qwen2_5_VLConfig(
+#: The tiny shapes of the test checkpoints (benches pass mid-size ones).
+TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+TINY_QWEN2_5_VISION = {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "window_size": 56, "fullatt_block_indexes": [1, 3]}  # fmt: skip
+TINY_QWEN2_VISION = {"depth": 2, "embed_dim": 32, "mlp_ratio": 2, "num_heads": 2}
+TINY_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+             "num_attention_heads": 2}  # fmt: skip
+
+
+def qwen_vl_config(
+    config_class: type,
+    ids: dict[str, int],
+    vocab_size: int,
+    *,
+    text: dict[str, Any],
+    vision: dict[str, Any],
+) -> Any:
+    """A Qwen-VL config with the given text / vision shapes and the tokenizer's ids."""
+    return config_class(
         text_config={
             "vocab_size": vocab_size,
             "hidden_act": "silu",
@@ -88,7 +106,6 @@ def qwen2_5_vl_config(
             "patch_size": builtin.PATCH_SIZE,
             "spatial_merge_size": builtin.SPATIAL_MERGE_SIZE,
             "temporal_patch_size": builtin.TEMPORAL_PATCH_SIZE,
-            "tokens_per_second": 2,
             "initializer_range": INITIALIZER_RANGE,
             **vision,
         },
@@ -101,35 +118,75 @@ def qwen2_5_vl_config(
     )  # fmt: skip
 
 
-def write_qwen2_5_vl(directory: Path) -> Path:
-    """A tiny Qwen2.5-VL checkpoint: 2 decoder layers (hidden 64, GQA 4/2), a
-    4-block window-attention vision tower whose block 1 and 3 attend fully."""
+def write_qwen2_5_vl(
+    directory: Path,
+    text: dict[str, Any] = TINY_TEXT,
+    vision: dict[str, Any] = TINY_QWEN2_5_VISION,
+) -> Path:
+    """A Qwen2.5-VL checkpoint (tiny by default: 2 decoder layers, hidden 64, GQA 4/2,
+    a 4-block window-attention vision tower whose blocks 1 and 3 attend fully)."""
+    vision = {"out_hidden_size": text["hidden_size"], "tokens_per_second": 2, **vision}
+    return _write_qwen(
+        directory,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        ImageOnlyQwen2_5_VLProcessor,
+        text=text,
+        vision=vision,
+    )
+
+
+def write_qwen2_vl(
+    directory: Path, text: dict[str, Any] = TINY_TEXT, vision: dict[str, Any] = TINY_QWEN2_VISION
+) -> Path:
+    """A Qwen2-VL checkpoint written by ``transformers``' own classes."""
+    vision = {"hidden_size": text["hidden_size"], **vision}
+    return _write_qwen(
+        directory,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        ImageOnlyQwen2VLProcessor,
+        text=text,
+        vision=vision,
+    )
+
+
+def _write_qwen(
+    directory: Path,
+    config_class: type,
+    model_class: type,
+    processor_class: type,
+    *,
+    text: dict[str, Any],
+    vision: dict[str, Any],
+) -> Path:
     tok = tokenizer()
     ids = special_ids(tok)
     vocab = builtin._round_up(len(tok), 64)
-    config = qwen2_5_vl_config(
-        ids,
-        vocab,
-        text={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2},
-        vision={"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1, 3]},
-    )  # fmt: skip
+    config = qwen_vl_config(config_class, ids, vocab, text=text, vision=vision)
     torch.manual_seed(SEED)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(directory)
-    processor = ImageOnlyQwen2_5_VLProcessor(
+    processor = processor_class(
         image_processor=qwen_image_processor(), tokenizer=tok, chat_template=builtin.CHAT_TEMPLATE
     )
-    save_processor(processor, directory, "Qwen2_5_VLProcessor")
+    save_processor(processor, directory, processor_class.__mro__[1].__name__)
     return directory
 
 
 class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
     """Qwen2.5-VL's processor without its video processor (which needs torchvision,
     not installed here); images and text go through the parent's own code."""
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+
+class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor without its video processor (as above)."""
 
     @classmethod
     def get_attributes(cls) -> list[str]:
@@ -170,32 +227,34 @@ LLAVA_TEMPLATE = (
 LLAVA_IMAGE_SIZE = 56
 
 
-def write_llava(directory: Path) -> Path:
-    """A tiny LLaVA-1.5 checkpoint: a 2-layer Llama decoder (hidden 64, GQA 4/2), a
-    3-layer CLIP tower on 56x56 images (16 patches -> 16 image tokens), the projector."""
+def write_llava(
+    directory: Path,
+    text: dict[str, Any] = TINY_TEXT,
+    vision: dict[str, Any] = TINY_CLIP,
+    image_size: int = LLAVA_IMAGE_SIZE,
+) -> Path:
+    """A LLaVA-1.5 checkpoint (tiny by default: a 2-layer Llama decoder, hidden 64,
+    GQA 4/2, a 3-layer CLIP tower on 56x56 images: 16 patches -> 16 image tokens)."""
     tok = tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = LLAVA_TEMPLATE
     ids = special_ids(tok)
     image_id = tok.convert_tokens_to_ids("<image>")
     vocab = builtin._round_up(len(tok), 64)
-    text = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
+    text_config = LlamaConfig(
+        vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        initializer_range=INITIALIZER_RANGE, bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], **text,
     )  # fmt: skip
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        image_size=LLAVA_IMAGE_SIZE, patch_size=14, projection_dim=32,
-        initializer_range=INITIALIZER_RANGE,
+    vision_config = CLIPVisionConfig(
+        image_size=image_size, patch_size=14, projection_dim=32,
+        initializer_range=INITIALIZER_RANGE, **vision,
     )  # fmt: skip
     config = LlavaConfig(
-        text_config=text,
-        vision_config=vision,
+        text_config=text_config,
+        vision_config=vision_config,
         image_token_id=image_id,
-        image_seq_length=(LLAVA_IMAGE_SIZE // 14) ** 2,
+        image_seq_length=(image_size // 14) ** 2,
         initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=False,
     )
@@ -205,7 +264,7 @@ def write_llava(directory: Path) -> Path:
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(directory)
     processor = LlavaProcessor(
-        image_processor=llava_image_processor(),
+        image_processor=llava_image_processor(image_size),
         tokenizer=tok,
         patch_size=14,
         vision_feature_select_strategy="default",
@@ -217,10 +276,9 @@ def write_llava(directory: Path) -> Path:
     return directory
 
 
-def llava_image_processor() -> CLIPImageProcessor:
+def llava_image_processor(image_size: int = LLAVA_IMAGE_SIZE) -> CLIPImageProcessor:
     return CLIPImageProcessor(
-        size={"shortest_edge": LLAVA_IMAGE_SIZE},
-        crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
 
 
