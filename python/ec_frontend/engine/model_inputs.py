@@ -1,9 +1,10 @@
 """The flattened inputs of one language-model forward, built on the host in one pass.
 
 Per scheduled request, tokens ``[num_computed_tokens, + num_scheduled_tokens)``
-are laid out one after another. Prompt tokens take the processor's M-RoPE
-positions; later tokens ``i`` take ``i + mrope_position_delta`` on all three
-components. Host lists are turned into tensors once, then moved to the device.
+are laid out one after another. Prompt tokens take the processor's positions
+(``[3, n]``: M-RoPE rows, or three equal rows for a 1-D RoPE family); later
+tokens ``i`` take ``i + mrope_position_delta`` on all three components (the
+delta is 0 for 1-D RoPE). Host lists are turned into tensors once, then moved to the device.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class VisionLanguageModel(ABC):
     ) -> torch.Tensor:
         """One language-model step over the whole batch.
 
-        ``positions`` is ``[3, T]`` (M-RoPE: temporal, height, width). Each entry of
+        ``positions`` is ``[3, T]`` (M-RoPE: temporal, height, width; a 1-D RoPE family
+        gets three equal rows, see :class:`~ec_frontend.model.registry.PositionSpec`). Each entry of
         ``kv_caches`` (one per layer) is ``[2, num_blocks, block_size, num_kv_heads,
         head_dim]``; the forward writes the new tokens' K and V at ``slot_mapping``
         and attends causally over each request's context. Returns ``[T, hidden_size]``.
