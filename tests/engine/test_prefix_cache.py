@@ -374,3 +374,41 @@ def test_unwritten_runner_failure_keeps_nothing_keyed(h: Any) -> None:
     sched.update_from_output(so, ModelRunnerOutput(failed={"a": "model step failed: boom"}))
     assert sched.kv_cache is not None
     assert sched.kv_cache.num_cached_blocks == 0 and sched.kv_cache.num_used_blocks == 0
+
+
+def test_an_image_loaded_over_ec_is_keyed_like_a_local_one(
+    make_engine: Any, processor: Any, greedy: Any, h: Any, tmp_path: Any
+) -> None:
+    """E+PD: the consumer loads the image's encoder output (no pixels), and a later
+    request carrying the same image's pixels hits the blocks computed from the
+    loaded output (same ``mm_hash``, same keys): nothing is encoded or loaded again,
+    and the tokens equal an aggregated engine without caching."""
+    storage = {
+        "ec_connector": "ECSharedStorageConnector",
+        "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    local = h.chat_inputs(processor, "what is shown here, in detail?", [h.image_media(61)])
+    enc, _ = make_engine(ec={**storage, "ec_role": "ec_producer"})
+    h.run_to_completion(_add(enc, "e", local, greedy(1)))
+    feats = local.mm_features
+    remote = processor.process_generate(
+        local.prompt_token_ids,
+        {
+            "mm_hashes": [f.mm_hash for f in feats],
+            "mm_placeholders": [{"offset": f.offset, "length": f.length} for f in feats],
+            "mm_grid_thw": [list(f.image_grid_thw) for f in feats],
+        },
+    )
+    assert remote.mm_features[0].pixel_values is None
+    pd, _ = make_engine(ec={**storage, "ec_role": "ec_consumer"})
+    first = h.run_to_completion(_add(pd, "loaded", remote, greedy(6)))["loaded"]
+    loaded = pd.stats()
+    assert loaded.ec_items_loaded_total == 1 and loaded.encoder_items_computed_total == 0
+    second = h.run_to_completion(_add(pd, "local", local, greedy(6)))["local"]
+    after = pd.stats()
+    assert second.num_cached_tokens == (len(local.prompt_token_ids) - 1) // 16 * 16
+    assert after.ec_items_loaded_total == 1 and after.encoder_items_computed_total == 0
+    ref, _ = make_engine(enable_prefix_caching=False)
+    want = h.run_to_completion(_add(ref, "r", local, greedy(6)))["r"].token_ids
+    assert first.token_ids == want and second.token_ids == want
+    h.assert_no_leaks(pd)
