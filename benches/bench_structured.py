@@ -41,6 +41,7 @@ import random
 import statistics
 import string
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -319,7 +320,7 @@ def sampler_step_ms(
             rows = [SamplingRow(params, None, [1], outputs[i], (), states[i]) for i in range(16)]
             t = time.perf_counter()
             future = filler.start(states, outputs, vocab)
-            if mode == "overlapped" and future is not None:
+            if mode == "overlapped" and isinstance(future, Future):
                 future.result()
                 t = time.perf_counter()
             tokens, _ = sampler(logits, rows, future)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -200,6 +201,11 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+#: Below this predicted mask time (seconds) a step's bitmask is computed inline: a
+#: thread hand-off costs more than it can hide.
+INLINE_BELOW_S = 0.0005
+
+
 class BitmaskFiller:
     """Fills the bitmask of a step's constrained rows, on one worker thread.
 
@@ -207,13 +213,18 @@ class BitmaskFiller:
     the work itself (catching each matcher up, then computing the masks, with
     llguidance's parallel executor from :data:`PARALLEL_MIN_ROWS` rows on, its
     threads half the host's cores up to 8 unless ``num_threads`` says) releases
-    the GIL.
+    the GIL. When the masks are predicted to take less than
+    :data:`INLINE_BELOW_S` (a running average of the time per constrained row, as
+    for a small vocabulary), they are computed at once instead, on the caller's
+    thread, and ``start`` returns the tensor.
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._num_threads = num_threads
+        #: Seconds per constrained row, averaged over recent steps (``None``: unknown).
+        self.row_cost_s: float | None = None
 
     def _ensure(self) -> tuple[ThreadPoolExecutor, llguidance.LLExecutor]:
         if self._pool is None or self._executor is None:
@@ -226,13 +237,32 @@ class BitmaskFiller:
         states: Sequence[GrammarState | None],
         outputs: Sequence[Sequence[int]],
         vocab_size: int,
-    ) -> Future[torch.Tensor] | None:
-        """The bitmask (one row per entry of ``states``) computed in the background;
-        ``None`` when no entry is constrained."""
-        if all(s is None for s in states):
+    ) -> Future[torch.Tensor] | torch.Tensor | None:
+        """The bitmask (one row per entry of ``states``), computed in the background
+        or at once; ``None`` when no entry is constrained."""
+        rows = sum(s is not None for s in states)
+        if rows == 0:
             return None
+        states, outputs = list(states), list(outputs)
+        if self.row_cost_s is None or rows * self.row_cost_s < INLINE_BELOW_S:
+            return self._timed(None, rows, states, outputs, vocab_size)
         pool, executor = self._ensure()
-        return pool.submit(fill_bitmask, executor, list(states), list(outputs), vocab_size)
+        return pool.submit(self._timed, executor, rows, states, outputs, vocab_size)
+
+    def _timed(
+        self,
+        executor: llguidance.LLExecutor | None,
+        rows: int,
+        states: list[GrammarState | None],
+        outputs: list[Sequence[int]],
+        vocab_size: int,
+    ) -> torch.Tensor:
+        t = time.perf_counter()
+        mask = fill_bitmask(executor, states, outputs, vocab_size)
+        cost = (time.perf_counter() - t) / rows
+        previous = self.row_cost_s
+        self.row_cost_s = cost if previous is None else 0.8 * previous + 0.2 * cost
+        return mask
 
     def shutdown(self) -> None:
         if self._pool is not None:

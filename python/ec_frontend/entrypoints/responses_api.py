@@ -180,18 +180,24 @@ async def response_stream(
     yield event("response.content_part.done", {**loc, "part": _part(final.text)})
     item = _message(msg_id, final.text, "completed")
     yield event("response.output_item.done", {"output_index": 0, "item": item})
+    yield _completed(ctx, parsed, resp_id, [item], final, event)
+    yield DONE
+
+
+def _completed(
+    ctx: RequestContext,
+    parsed: ParsedRequest,
+    resp_id: str,
+    output: list[dict[str, Any]],
+    final: Choice,
+    event: Any,
+) -> bytes:
+    """The closing ``response.completed`` (or ``response.incomplete``) event."""
     done = response_object(
-        ctx,
-        parsed,
-        resp_id,
-        status="completed",
-        output=[item],
-        usage=_usage(final),
-        choice=final,
+        ctx, parsed, resp_id, status="completed", output=output, usage=_usage(final), choice=final
     )
     kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
-    yield event(kind, {"response": done})
-    yield DONE
+    return event(kind, {"response": done})
 
 
 async def _tool_events(
@@ -235,9 +241,5 @@ async def _tool_events(
             yield event("response.function_call_arguments.delta", {**loc, "delta": args})
             yield event("response.function_call_arguments.done", {**loc, "arguments": args})
         yield event("response.output_item.done", {"output_index": index, "item": item})
-    done = response_object(
-        ctx, parsed, resp_id, status="completed", output=items, usage=_usage(final), choice=final
-    )
-    kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
-    yield event(kind, {"response": done})
+    yield _completed(ctx, parsed, resp_id, items, final, event)
     yield DONE
