@@ -28,6 +28,7 @@ _EC_CONNECTORS: dict[str, str] = {
 _KV_CONNECTORS: dict[str, str] = {
     "NoOpKVConnector": "ec_frontend.connectors.noop:NoOpKVConnector",
     "KVSideChannelConnector": "ec_frontend.connectors.kv_side_channel:KVSideChannelConnector",
+    "MooncakeConnector": "ec_frontend.connectors.mooncake_kv:MooncakeConnector",
 }
 
 

@@ -1,0 +1,490 @@
+"""``MooncakeConnector``: P/D KV transfer through Mooncake's Transfer Engine.
+
+Prefill (``kv_producer`` / ``kv_both``) registers its KV cache (every layer's
+``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor) and a small table of
+completion slots with its Transfer Engine. For a request whose params say
+``{"do_remote_decode": true}`` it holds the request's blocks when it finishes and
+hands out NIXL's keys plus what decode needs to read them one-sided::
+
+    {"do_remote_prefill": true, "do_remote_decode": false,
+     "remote_engine_id", "remote_request_id", "remote_block_ids",
+     "remote_host", "remote_port",            # the Transfer Engine's handshake address
+     "remote_num_tokens", "first_token_id", "mrope_position_delta", "prompt_hash",
+     "token", "remote_kv_addrs", "remote_num_blocks", "remote_block_bytes",
+     "remote_done_addr", "signature"}
+
+Decode (``kv_consumer`` / ``kv_both``) validates them exactly as for the side
+channel (the same prompt, positions and trust checks: signed params with a
+secret, loopback or ``--transfer-peers`` peers), allocates blocks for the whole
+prompt, and a worker thread reads prefill's blocks straight into its own
+registered blocks: one batched Transfer Engine read per request (K and V of
+every layer, runs of adjacent blocks merged), no Python bytes and no host copy
+in between. It then writes the first 8 bytes of the hold's ``token`` into
+prefill's completion slot (``remote_done_addr``); prefill frees the blocks when
+it sees that value there, or after ``ttl_s``. The request continues with the
+token prefill sampled, computing no prompt token.
+
+A read that fails (prefill gone, a refused address) or does not finish in
+``timeout_s`` fails the request with a clear error; its blocks are freed as for
+any failed request. Params with another cache layout (block bytes, layer count)
+are refused before any read.
+
+``kv_connector_extra_config``: ``protocol`` (``tcp`` or ``rdma``, default ``tcp``),
+``device_name`` (RDMA devices), ``host`` (the address this engine advertises and
+binds, default ``127.0.0.1``), ``ttl_s`` (default 30), ``timeout_s`` (default 10).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ec_frontend.connectors.kv_base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVLoadResult,
+)
+from ec_frontend.connectors.kv_transfer_params import (
+    RemotePrefill,
+    parse_remote_prefill,
+    prompt_hash,
+)
+from ec_frontend.connectors.mooncake_common import import_mooncake, positive_float
+from ec_frontend.connectors.transfer_trust import (
+    TOKEN_KEY,
+    check_entry,
+    loggable,
+    new_token,
+    signed,
+)
+from ec_frontend.engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.config import KVTransferConfig
+    from ec_frontend.engine.request import Request
+    from ec_frontend.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kv_connector_extra_config"
+NUM_DONE_SLOTS = 4096
+
+
+def done_value(token: str) -> int:
+    """The completion value of a hold: its token's first 8 bytes, as a positive int64."""
+    return int(token[:16], 16) & ((1 << 63) - 1) or 1
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteLayout:
+    """Where prefill's KV lies: per-layer base addresses and the block geometry."""
+
+    kv_addrs: tuple[int, ...]
+    num_blocks: int
+    block_bytes: int
+    done_addr: int
+    block_ids: tuple[int, ...]
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_layout(params: dict[str, Any]) -> RemoteLayout | str:
+    addrs = params.get("remote_kv_addrs")
+    num_blocks = _int(params.get("remote_num_blocks"))
+    block_bytes = _int(params.get("remote_block_bytes"))
+    done = _int(params.get("remote_done_addr"))
+    blocks = params.get("remote_block_ids")
+    if not isinstance(addrs, list) or not addrs or any((_int(a) or 0) <= 0 for a in addrs):
+        return "remote_kv_addrs missing or invalid"
+    if num_blocks is None or block_bytes is None or num_blocks <= 0 or block_bytes <= 0:
+        return "remote_num_blocks / remote_block_bytes missing or invalid"
+    if done is None or done <= 0:
+        return "remote_done_addr missing or invalid"
+    if not isinstance(blocks, list) or any(not 0 <= (_int(b) or -1) < num_blocks for b in blocks):
+        return "remote_block_ids outside the remote cache"
+    return RemoteLayout(tuple(addrs), num_blocks, block_bytes, done, tuple(blocks))
+
+
+@dataclass(slots=True)
+class _Load:
+    request_id: str
+    block_ids: list[int]
+    remote: RemotePrefill
+    layout: RemoteLayout
+    started: float = 0.0
+
+
+@dataclass(slots=True)
+class MooncakeKVMetadata(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Hold:
+    block_ids: list[int]
+    num_tokens: int
+    expires: float
+    slot: int
+    value: int
+
+
+def read_plan(
+    local: list[int], remote: RemoteLayout, kv_caches: list[torch.Tensor]
+) -> tuple[list[int], list[int], list[int]]:
+    """``(local_addrs, remote_addrs, lengths)`` reading ``remote``'s first blocks into
+    ``local`` for K and V of every layer; adjacent blocks on both sides become one run."""
+    block_bytes = remote.block_bytes
+    local_blocks = kv_caches[0].shape[1]
+    dst: list[int] = []
+    src: list[int] = []
+    lengths: list[int] = []
+    pairs = list(zip(local, remote.block_ids, strict=False))
+    for kv, base in zip(kv_caches, remote.kv_addrs, strict=True):
+        local_base = kv.data_ptr()
+        for half in (0, 1):
+            for lb, rb in pairs:
+                d = local_base + (half * local_blocks + lb) * block_bytes
+                s = base + (half * remote.num_blocks + rb) * block_bytes
+                if dst and dst[-1] + lengths[-1] == d and src[-1] + lengths[-1] == s:
+                    lengths[-1] += block_bytes
+                else:
+                    dst.append(d)
+                    src.append(s)
+                    lengths.append(block_bytes)
+    return dst, src, lengths
+
+
+class _State:
+    """One Transfer Engine per engine process, shared by both connector halves."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        extra = config.kv_connector_extra_config
+        engine_module = import_mooncake("engine")
+        self.protocol = extra.get("protocol", "tcp")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"{PREFIX}.protocol must be tcp or rdma", f"{PREFIX}.protocol")
+        self.host = extra.get("host", "127.0.0.1")
+        device = extra.get("device_name", "")
+        if not isinstance(self.host, str) or not self.host or not isinstance(device, str):
+            raise ConfigError(f"{PREFIX}.host must be a host name or address", f"{PREFIX}.host")
+        self.ttl_s = positive_float(extra, "ttl_s", 30.0, PREFIX)
+        self.timeout_s = positive_float(extra, "timeout_s", 10.0, PREFIX)
+        self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.engine = engine_module.TransferEngine()
+        ret = self.engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, device)
+        if ret != 0:
+            raise ConfigError(
+                f"Mooncake Transfer Engine did not start on {self.host} ({self.protocol}): {ret}",
+                PREFIX,
+            )
+        self.port = int(self.engine.get_rpc_port())
+        self.lock = threading.Lock()
+        self.kv_caches: list[torch.Tensor] | None = None
+        #: Completion slots decode writes into (prefill); the value decode writes (decode).
+        self.done = torch.zeros(NUM_DONE_SLOTS, dtype=torch.int64)
+        self.free_slots = list(range(NUM_DONE_SLOTS - 1, -1, -1))
+        self.holds: dict[str, _Hold] = {}
+        self.sent: set[str] = set()
+        self.tokens_sent = 0
+        self.inflight: dict[str, tuple[Future[None], _Load]] = {}
+        self.results: dict[str, KVLoadResult] = {}
+        self.cancelled: set[str] = set()
+        self._register(self.done)
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        ret = self.engine.register_memory(tensor.data_ptr(), nbytes)
+        if ret != 0:
+            raise RuntimeError(f"Mooncake Transfer Engine refused to register memory ({ret})")
+
+    def bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Register the KV cache with the engine (once; the runner's tensors never move)."""
+        if self.kv_caches is kv_caches or not kv_caches:
+            return
+        with self.lock:
+            if self.kv_caches is not None:
+                raise RuntimeError("the KV cache tensors changed after registration")
+            for kv in kv_caches:
+                self._register(kv)
+            self.kv_caches = kv_caches
+
+    def block_bytes(self) -> int:
+        kv = self.kv_caches[0] if self.kv_caches else None
+        if kv is None:
+            return 0
+        return int(kv[0, 0].numel() * kv.element_size())
+
+    def release_done(self) -> None:
+        """Free holds whose decode reported completion, and those past their TTL."""
+        now = time.monotonic()
+        with self.lock:
+            for rid, hold in list(self.holds.items()):
+                read = int(self.done[hold.slot]) == hold.value
+                if not read and hold.expires > now:
+                    continue
+                if read:
+                    self.tokens_sent += hold.num_tokens
+                else:
+                    logger.warning("KV of %s not read in %.1fs: freed", rid, self.ttl_s)
+                del self.holds[rid]
+                self.done[hold.slot] = 0
+                self.free_slots.append(hold.slot)
+                self.sent.add(rid)
+
+
+_STATES: dict[int, tuple[KVTransferConfig, _State]] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def _state_for(config: KVTransferConfig) -> _State:
+    with _STATES_LOCK:
+        entry = _STATES.get(id(config))
+        if entry is None or entry[0] is not config:
+            entry = (config, _State(config))
+            _STATES[id(config)] = entry
+        return entry[1]
+
+
+class MooncakeConnector(KVConnectorBase):
+    """Decode reads prefill's held KV blocks one-sided through the Transfer Engine."""
+
+    hands_over_sampled_token = True
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        self.state = _state_for(config)
+        self._remote: dict[str, RemotePrefill] = {}
+        self._layouts: dict[str, RemoteLayout] = {}
+        self._loads: list[_Load] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._recving: set[str] = set()
+        self.local_prefill_fallbacks = 0
+        self.params_rejected = 0
+
+    # ---- scheduler side -------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        known = self._remote.get(request.request_id)
+        if known is not None:
+            return known.num_tokens - num_computed_tokens, True
+        params = request.kv_transfer_params
+        if not self.is_consumer or params is None or params.get("do_remote_prefill") is not True:
+            return 0, False
+        request.kv_transfer_params = None
+        remote = parse_remote_prefill(params, request)
+        layout = parse_layout(params)
+        if isinstance(layout, str) and not isinstance(remote, str):
+            remote = layout
+        if not isinstance(remote, str):
+            reason = check_entry(
+                self.config.trust, "kv", remote.request_id, params, remote.host, remote.port
+            )
+            if reason is not None:
+                self.params_rejected += 1
+                remote = f"refused: {reason} ({loggable(remote.host)}:{remote.port})"
+        if isinstance(remote, str) or isinstance(layout, str):
+            self.local_prefill_fallbacks += 1
+            logger.warning(
+                "request %s: kv_transfer_params unusable (%s); computing the prompt locally",
+                request.request_id,
+                remote,
+            )
+            return 0, False
+        self._remote[request.request_id] = remote
+        self._layouts[request.request_id] = layout
+        return remote.num_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        remote = self._remote.get(rid)
+        if remote is None or num_external_tokens <= 0:
+            return
+        self._loads.append(_Load(rid, list(block_ids), remote, self._layouts[rid]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = MooncakeKVMetadata(loads=self._loads)
+        self._loads = []
+        return meta
+
+    def get_load_result(self, request: Request) -> KVLoadResult | None:
+        remote = self._remote.pop(request.request_id, None)
+        self._layouts.pop(request.request_id, None)
+        with self.state.lock:
+            result = self.state.results.pop(request.request_id, None)
+        if result is not None and remote is not None and result.error is None:
+            result.first_token_id = remote.first_token_id
+        return result
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        state = self.state
+        if self._remote.pop(rid, None) is not None:
+            self._layouts.pop(rid, None)
+            with state.lock:
+                state.cancelled.add(rid)
+                state.results.pop(rid, None)
+        params = request.kv_transfer_params
+        if (
+            not self.is_producer
+            or state.kv_caches is None
+            or params is None
+            or params.get("do_remote_decode") is not True
+            or request.status.finish_reason not in ("stop", "length")
+            or not request.output_token_ids
+            or request.num_computed_tokens < request.num_prompt_tokens
+            or not block_ids
+        ):
+            return False, None
+        token = new_token()
+        with state.lock:
+            if not state.free_slots:
+                logger.warning("request %s: every KV completion slot is in use", rid)
+                return False, None
+            slot = state.free_slots.pop()
+            state.done[slot] = 0
+            value = done_value(token)
+            expires = time.monotonic() + state.ttl_s
+            state.holds[rid] = _Hold(
+                list(block_ids), request.num_prompt_tokens, expires, slot, value
+            )
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": state.engine_id,
+            "remote_request_id": rid,
+            "remote_block_ids": list(block_ids),
+            "remote_host": state.host,
+            "remote_port": state.port,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "first_token_id": request.output_token_ids[0],
+            "mrope_position_delta": request.mrope_position_delta,
+            "prompt_hash": prompt_hash(request.prompt_token_ids),
+            TOKEN_KEY: token,
+            "remote_kv_addrs": [kv.data_ptr() for kv in state.kv_caches],
+            "remote_num_blocks": int(state.kv_caches[0].shape[1]),
+            "remote_block_bytes": state.block_bytes(),
+            "remote_done_addr": state.done.data_ptr() + slot * state.done.element_size(),
+        }
+        return True, signed(self.config.trust.secret, "kv", rid, params, state.ttl_s)
+
+    # ---- worker side ----------------------------------------------------
+
+    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        state = self.state
+        state.bind_caches(kv_caches)
+        meta = self._metadata
+        for load in getattr(meta, "loads", ()):
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
+            load.started = time.monotonic()
+            future = self._pool.submit(self._read, load, kv_caches)
+            with state.lock:
+                state.inflight[load.request_id] = (future, load)
+
+    def _read(self, load: _Load, kv_caches: list[torch.Tensor]) -> None:
+        state, layout = self.state, load.layout
+        if layout.block_bytes != state.block_bytes() or len(layout.kv_addrs) != len(kv_caches):
+            raise RuntimeError(
+                f"the prefill instance's KV layout ({len(layout.kv_addrs)} layers, "
+                f"{layout.block_bytes} bytes a block) differs from this one's "
+                f"({len(kv_caches)} layers, {state.block_bytes()} bytes)"
+            )
+        if len(layout.block_ids) < len(load.block_ids):
+            raise RuntimeError(
+                f"the prefill instance holds {len(layout.block_ids)} blocks; "
+                f"{len(load.block_ids)} are needed"
+            )
+        target = f"{load.remote.host}:{load.remote.port}"
+        dst, src, lengths = read_plan(load.block_ids, layout, kv_caches)
+        ret = state.engine.batch_transfer_sync_read(target, dst, src, lengths)
+        if ret != 0:
+            raise RuntimeError(f"Transfer Engine read from {target} failed ({ret})")
+        value = done_value(load.remote.token)
+        with state.lock:
+            slot = state.free_slots.pop() if state.free_slots else None
+        if slot is None:
+            return  # prefill frees the blocks at its TTL
+        try:
+            state.done[slot] = value
+            addr = state.done.data_ptr() + slot * state.done.element_size()
+            if state.engine.transfer_sync_write(target, addr, layout.done_addr, 8) != 0:
+                logger.warning(
+                    "request %s: could not report the read to %s", load.request_id, target
+                )
+        finally:
+            with state.lock:
+                state.done[slot] = 0
+                state.free_slots.append(slot)
+
+    def wait_for_load(self) -> None:
+        """Reports the reads that ended (or overran ``timeout_s``); others stay parked."""
+        state = self.state
+        now = time.monotonic()
+        with state.lock:
+            done = [
+                (rid, f, ld)
+                for rid, (f, ld) in state.inflight.items()
+                if f.done() or now - ld.started > state.timeout_s
+            ]
+            for rid, _, _ in done:
+                del state.inflight[rid]
+        for rid, future, load in done:
+            with state.lock:
+                if rid in state.cancelled:
+                    state.cancelled.discard(rid)
+                    continue
+            if not future.done():
+                error: BaseException | None = TimeoutError(f"no answer in {state.timeout_s:g}s")
+            else:
+                error = future.exception()
+            if error is None:
+                result = KVLoadResult()
+            else:
+                remote = load.remote
+                origin = "signed" if self.config.trust.secret else "unverified"
+                result = KVLoadResult(
+                    error=f"KV transfer from the prefill instance {remote.host}:{remote.port} "
+                    f"({origin} kv_transfer_params) failed: {error}"
+                )
+                logger.warning("request %s: %s", rid, result.error)
+            with state.lock:
+                state.results[rid] = result
+                self._recving.add(rid)
+
+    def save_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        self.state.bind_caches(kv_caches)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        state = self.state
+        state.release_done()
+        with state.lock:
+            sent, state.sent = state.sent, set()
+            recving, self._recving = self._recving, set()
+        return (sent or None), (recving or None)
+
+    # ---- observability --------------------------------------------------
+
+    @property
+    def num_tokens_sent(self) -> int:
+        return self.state.tokens_sent
+
+    @property
+    def num_requests_held(self) -> int:
+        with self.state.lock:
+            return len(self.state.holds)

@@ -1,0 +1,207 @@
+"""E+PD over Mooncake Store and E+P+D over Mooncake Store + Transfer Engine, real processes.
+
+One deployment for the module, on loopback, with a real ``mooncake_master``:
+
+* ``agg``: the aggregated reference;
+* ``e``: encoder (``MooncakeStoreECConnector``, ``ec_producer``);
+* ``pd1``: a PD instance (``ec_consumer``) behind the proxy ``E+PD1``;
+* ``p`` (``ec_consumer`` + ``MooncakeConnector`` ``kv_both``): the second PD instance
+  (proxy ``E+PD2``) and, with ``d`` (``MooncakeConnector`` ``kv_consumer``), the
+  prefill of the proxy ``E+P+D``.
+
+Greedy outputs must be token-identical to ``agg``'s, streamed and not; the
+metrics must show that no consumer encoded anything, that decode computed no
+prompt token, and that every instance is idle afterwards. The last tests break
+things: prefill killed before decode's read, then the master killed mid-run.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ..disagg.conftest import MODEL_NAME, messages, png_data_url, proxy, serve
+from ..helpers.processes import Proc, start_all
+from .conftest import Master, mooncake_kv, store_ec
+
+pytestmark = pytest.mark.slow
+
+RED = png_data_url(56, (200, 30, 40))
+BLUE = png_data_url(84, (20, 60, 200))
+CASES: dict[str, list[dict[str, Any]]] = {
+    "text": messages("Tell me a story about a lighthouse."),
+    "one-image": messages("What is in this picture?", RED),
+    "two-images-repeated": messages("Compare these.", BLUE, RED, BLUE),
+}
+MAX_TOKENS = 8
+IDLE = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "encoder_cache_refs",
+        "kv_requests_held")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dep(builtin_model_dir: Path) -> Iterator[dict[str, Any]]:
+    master = Master()
+    m = builtin_model_dir
+    procs: list[Proc] = []
+    try:
+        engines = {
+            "agg": serve(m, "agg"),
+            "e": serve(m, "e", ec=store_ec("ec_producer", master)),
+            "pd1": serve(m, "pd1", ec=store_ec("ec_consumer", master)),
+            "p": serve(
+                m, "p", ec=store_ec("ec_consumer", master), kv=mooncake_kv("kv_both", ttl_s=20.0)
+            ),
+            "d": serve(m, "d", kv=mooncake_kv("kv_consumer", timeout_s=5.0)),
+        }
+        procs += engines.values()
+        start_all(list(engines.values()))
+        e = [engines["e"].url]
+        proxies = {
+            "E+PD1": proxy("px1", encode=e, decode=[engines["pd1"].url]),
+            "E+PD2": proxy("px2", encode=e, decode=[engines["p"].url]),
+            "E+P+D": proxy("px3", encode=e, prefill=[engines["p"].url], decode=[engines["d"].url]),
+        }
+        procs += proxies.values()
+        start_all(list(proxies.values()))
+        yield {**engines, **proxies, "master": master}
+    finally:
+        for p in procs:  # all at once: with the master gone, each takes a while to exit
+            if p.proc.poll() is None:
+                p.proc.terminate()
+        for p in procs:
+            p.stop()
+        master.kill()
+
+
+def client(p: Proc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(p: Proc, msgs: list[dict[str, Any]], *, stream: bool) -> tuple[str, int]:
+    """``(text, prompt_tokens)`` of a greedy chat completion."""
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": msgs, "max_tokens": MAX_TOKENS,
+                              "temperature": 0}  # fmt: skip
+    if not stream:
+        r = client(p).chat.completions.create(**kwargs)
+        assert r.usage is not None
+        return r.choices[0].message.content or "", r.usage.prompt_tokens
+    text, prompt = "", 0
+    for chunk in client(p).chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    ):
+        if chunk.usage is not None:
+            prompt = chunk.usage.prompt_tokens
+        for c in chunk.choices:
+            text += c.delta.content or ""
+    return text, prompt
+
+
+_AGG: dict[str, tuple[str, int]] = {}
+Metrics = dict[str, dict[str, float]]
+
+
+def reference(dep: dict[str, Any], case: str) -> tuple[str, int]:
+    if case not in _AGG:
+        _AGG[case] = chat(dep["agg"], CASES[case], stream=False)
+    return _AGG[case]
+
+
+def metrics(dep: dict[str, Any], *names: str) -> Metrics:
+    return {n: dep[n].metrics() for n in names}
+
+
+def delta(before: Metrics, dep: dict[str, Any], name: str, metric: str) -> float:
+    key = "ec_frontend_" + metric
+    return dep[name].metrics().get(key, 0.0) - before[name].get(key, 0.0)
+
+
+def assert_idle(dep: dict[str, Any], *names: str) -> None:
+    for n in names:
+        for gauge in IDLE:
+            assert dep[n].settled_metric(gauge, 0, timeout_s=15) == 0, (n, gauge)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("topology", ["E+PD1", "E+P+D"])
+def test_token_identical_to_aggregated(
+    dep: dict[str, Any], topology: str, case: str, stream: bool
+) -> None:
+    assert chat(dep[topology], CASES[case], stream=stream) == reference(dep, case)
+
+
+def test_two_pd_instances_share_the_store(dep: dict[str, Any]) -> None:
+    image = png_data_url(84, (zlib.crc32(b"share") % 256, 120, 33))
+    msgs = messages("Describe it.", image)
+    before = metrics(dep, "e", "pd1", "p")
+    first = chat(dep["E+PD1"], msgs, stream=False)
+    assert delta(before, dep, "e", "encoder_items_computed_total") == 1
+    assert chat(dep["E+PD2"], msgs, stream=True) == first
+    assert chat(dep["agg"], msgs, stream=False) == first
+    for pd in ("pd1", "p"):
+        assert delta(before, dep, pd, "encoder_items_computed_total") == 0
+        assert delta(before, dep, pd, "ec_items_loaded_total") == 1
+        assert delta(before, dep, pd, "ec_load_fallbacks_total") == 0
+    assert_idle(dep, "e", "pd1", "p")
+
+
+def test_decode_computes_no_prompt_token(dep: dict[str, Any]) -> None:
+    before = metrics(dep, "p", "d")
+    text, prompt = chat(dep["E+P+D"], messages("And now?", RED, BLUE), stream=False)
+    assert (text, prompt) == chat(dep["agg"], messages("And now?", RED, BLUE), stream=False)
+    assert delta(before, dep, "d", "prompt_tokens_computed_total") == 0
+    assert delta(before, dep, "d", "kv_tokens_received_total") == prompt
+    assert delta(before, dep, "d", "encoder_items_computed_total") == 0
+    assert delta(before, dep, "p", "encoder_items_computed_total") == 0
+    # Decode reported its read: prefill freed the blocks long before the TTL (20 s).
+    assert dep["p"].settled_metric("kv_requests_held", 0, timeout_s=5) == 0
+    assert delta(before, dep, "p", "kv_tokens_sent_total") == prompt
+    assert_idle(dep, "p", "d")
+
+
+def test_prefill_params_for_a_dead_prefill_fail_cleanly(
+    dep: dict[str, Any], builtin_model_dir: Path
+) -> None:
+    """Prefill killed after it answered, before decode's read: a clear error, no leak."""
+    body = {"model": MODEL_NAME, "messages": messages("Short."), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    extra_p = serve(builtin_model_dir, "p2", kv=mooncake_kv("kv_producer"))
+    try:
+        start_all([extra_p])
+        r = httpx.post(extra_p.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        assert params["remote_port"] > 0 and params["remote_kv_addrs"]
+    finally:
+        extra_p.kill()
+        extra_p.stop()
+    decode = {**body, "max_tokens": 4, "kv_transfer_params": params}
+    start = time.monotonic()
+    r = httpx.post(dep["d"].url + "/v1/chat/completions", json=decode, timeout=60)
+    assert time.monotonic() - start < 5 + 10
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "kv_transfer_failed" and "failed" in error["message"]
+    assert_idle(dep, "d")
+
+
+def test_master_killed_mid_run(dep: dict[str, Any]) -> None:
+    """Runs last: without the store, PD encodes locally and answers the same."""
+    msgs = messages("After the outage.", png_data_url(56, (9, 200, 140)))
+    want = chat(dep["agg"], msgs, stream=False)
+    dep["master"].kill()
+    before = metrics(dep, "pd1")
+    start = time.monotonic()
+    assert chat(dep["E+PD1"], msgs, stream=False) == want
+    assert chat(dep["E+PD1"], msgs, stream=True) == want
+    assert time.monotonic() - start < 60
+    assert delta(before, dep, "pd1", "encoder_items_computed_total") >= 1
+    assert delta(before, dep, "pd1", "ec_items_loaded_total") == 0
+    assert_idle(dep, "e", "pd1")
