@@ -39,13 +39,22 @@ if [ -n "$missing" ]; then
         || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $missing >/dev/null; }
 fi
 
-stamp="$VENV/.mooncake-requirement"
-if [ "$(cat "$stamp" 2>/dev/null || true)" != "$REQUIREMENT" ] \
-    || ! "$VENV/bin/python" -c "import mooncake.engine, mooncake.store" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$REQUIREMENT"
-    "$VENV/bin/python" -c "import mooncake.engine, mooncake.store" \
-        || { echo "setup_mooncake: mooncake does not import after install" >&2; exit 1; }
-    echo "$REQUIREMENT" >"$stamp"
+install_into() {
+    local venv=$1 stamp="$1/.mooncake-requirement"
+    if [ "$(cat "$stamp" 2>/dev/null || true)" != "$REQUIREMENT" ] \
+        || ! "$venv/bin/python" -c "import mooncake.engine, mooncake.store" 2>/dev/null; then
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check "$REQUIREMENT"
+        "$venv/bin/python" -c "import mooncake.engine, mooncake.store" \
+            || { echo "setup_mooncake: mooncake does not import in $venv" >&2; exit 1; }
+        echo "$REQUIREMENT" >"$stamp"
+    fi
+}
+install_into "$VENV"
+# The interop test runs vLLM's own Mooncake Store embedding client in vLLM's venv
+# (scripts/setup_vllm.sh), so that venv gets the same build when it exists.
+VLLM_VENV=${EC_FRONTEND_VLLM_VENV:-.venv-vllm}
+if [ -x "$VLLM_VENV/bin/python" ]; then
+    install_into "$VLLM_VENV"
 fi
 [ -x "$VENV/bin/mooncake_master" ] \
     || { echo "setup_mooncake: $VENV/bin/mooncake_master is missing" >&2; exit 1; }
