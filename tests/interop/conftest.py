@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
-from ..helpers.processes import Proc
+from ..helpers.processes import Proc, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_REQUIREMENT = "vllm==0.33.0"
@@ -65,6 +68,51 @@ def run_vllm(
         cwd=cwd,
         check=False,
     )
+
+
+class VllmScript:
+    """A script of vLLM's source distribution serving HTTP on a free loopback port, run
+    as is by the vLLM environment's Python (``{port}`` in ``args`` is that port)."""
+
+    def __init__(self, python: Path, script: Path, args: Sequence[str], health: str) -> None:
+        path = vllm_venv() / script
+        assert path.is_file(), f"{path} is missing: run `bash scripts/setup_vllm.sh`"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health = health
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("VIRTUAL_ENV", None)
+        env.pop("PYTHONPATH", None)
+        self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        argv = [a.format(port=self.port) for a in args]
+        self.proc = subprocess.Popen(
+            [str(python), str(path), *argv], stdout=self.logfile, stderr=subprocess.STDOUT, env=env
+        )
+
+    def log(self) -> str:
+        self.logfile.seek(0)
+        return self.logfile.read().decode(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"{self.proc.args} exited:\n{self.log()}"
+            try:
+                if httpx.get(self.url + self.health, timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{self.proc.args} not healthy in {timeout_s} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.logfile.close()
 
 
 @pytest.fixture(scope="module")

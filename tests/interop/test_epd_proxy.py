@@ -18,10 +18,6 @@ and the instance stays healthy.
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,8 +33,8 @@ from ..disagg.conftest import (
     side_channel_ec,
     side_channel_kv,
 )
-from ..helpers.processes import free_port, start_all
-from .conftest import MODEL_NAME, vllm_venv
+from ..helpers.processes import start_all
+from .conftest import MODEL_NAME, VllmScript
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -51,49 +47,15 @@ def example_ec(role: str, path: Path) -> dict[str, Any]:
             "ec_connector_extra_config": {"shared_storage_path": str(path)}}  # fmt: skip
 
 
-class VllmProxy:
-    """vLLM's EPD proxy script, run as is by the vLLM environment's Python."""
-
-    def __init__(self, python: Path, encode: str, decode: str, prefill: str = "none") -> None:
-        script = vllm_venv() / PROXY
-        assert script.is_file(), f"{script} is missing: run `bash scripts/setup_vllm.sh`"
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("VIRTUAL_ENV", None)
-        env.pop("PYTHONPATH", None)
-        self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
-        self.proc = subprocess.Popen(
-            [str(python), str(script), "--host", "127.0.0.1", "--port", str(self.port),
-             "--encode-servers-urls", encode, "--prefill-servers-urls", prefill,
-             "--decode-servers-urls", decode],
-            stdout=self.logfile, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-
-    def log(self) -> str:
-        self.logfile.seek(0)
-        return self.logfile.read().decode(errors="replace")[-6000:]
-
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"proxy exited:\n{self.log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"proxy not healthy in {timeout_s} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.logfile.close()
+def vllm_proxy(python: Path, encode: str, decode: str, prefill: str = "none") -> VllmScript:
+    """vLLM's EPD proxy script, unmodified."""
+    return VllmScript(
+        python,
+        PROXY,
+        ["--host", "127.0.0.1", "--port", "{port}", "--encode-servers-urls", encode,
+         "--prefill-servers-urls", prefill, "--decode-servers-urls", decode],
+        "/health",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +78,11 @@ def dep(
     }  # fmt: skip
     start_all(list(procs.values()))
     proxies = {
-        "example": VllmProxy(vllm_python, procs["e_ex"].url, procs["pd_ex"].url),
-        "side_channel": VllmProxy(vllm_python, procs["e_sc"].url, procs["pd_sc"].url),
-        "epd": VllmProxy(vllm_python, procs["e_ss"].url, procs["d"].url, prefill=procs["p_ss"].url),
+        "example": vllm_proxy(vllm_python, procs["e_ex"].url, procs["pd_ex"].url),
+        "side_channel": vllm_proxy(vllm_python, procs["e_sc"].url, procs["pd_sc"].url),
+        "epd": vllm_proxy(
+            vllm_python, procs["e_ss"].url, procs["d"].url, prefill=procs["p_ss"].url
+        ),
     }
     try:
         for p in proxies.values():
