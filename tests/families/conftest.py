@@ -77,6 +77,15 @@ TINY_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
              "num_attention_heads": 2}  # fmt: skip
 
 
+def mrope_section(text: dict[str, Any]) -> list[int]:
+    """Qwen's split of the rotary half-dimension into temporal / height / width
+    (``[16, 24, 24]`` at head_dim 128)."""
+    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    temporal = half // 4
+    side = (half - temporal) // 2
+    return [half - 2 * side, side, side]
+
+
 def qwen_vl_config(
     config_class: type,
     ids: dict[str, int],
@@ -93,7 +102,7 @@ def qwen_vl_config(
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
-                                "mrope_section": [2, 3, 3]},
+                                "mrope_section": mrope_section(text)},
             "tie_word_embeddings": False,
             "initializer_range": INITIALIZER_RANGE,
             "bos_token_id": ids["<|endoftext|>"],
