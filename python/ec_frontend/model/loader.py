@@ -281,7 +281,9 @@ _PART_NAMES = {"vision": "vision tower", "language": "language model"}
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the ``meta`` device (no memory,
-    and initialisation is a no-op); buffers (rotary frequencies) stay real."""
+    and initialisation is a no-op); buffers (rotary frequencies) stay real. It
+    patches ``nn.Module.register_parameter`` for the whole process while active:
+    build nothing else concurrently (the engine loads before it serves)."""
     original = nn.Module.register_parameter
 
     def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
