@@ -12,12 +12,15 @@ import warnings
 
 from PIL import Image
 
+from ec_frontend import _core
 from ec_frontend.model.errors import InputError
 
 #: Largest image (width x height) that is decoded; below PIL's bomb warning.
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 #: Pillow format names of the decoders a request may reach.
 DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+#: The formats the Rust core decodes (and probes).
+_NATIVE_FORMATS = frozenset(DEFAULT_IMAGE_FORMATS)
 
 
 def _open(data: bytes, index: int, formats: tuple[str, ...]) -> Image.Image:
@@ -41,9 +44,19 @@ def _open(data: bytes, index: int, formats: tuple[str, ...]) -> Image.Image:
 def probe_image(
     data: bytes, *, index: int, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
 ) -> tuple[str, int, int]:
-    """``(format, width, height)`` from the header of ``data``; nothing is decoded."""
+    """``(format, width, height)`` from the header of ``data``; nothing is decoded.
+
+    The Rust core's probe reads the header when it knows every format in ``formats``
+    (it names formats it does not decode, SVG, TIFF or HEIC, in its error); Pillow's
+    otherwise."""
     if not data:
         raise InputError(f"image {index} is empty", code="invalid_image")
+    if all(f.upper() in _NATIVE_FORMATS for f in formats):
+        try:
+            fmt, width, height = _core.probe_image(data, index=index, formats=list(formats))
+        except _core.ImageError as exc:
+            raise InputError(str(exc), code=exc.code) from exc
+        return fmt, width, height
     image = _open(data, index, formats)
     try:
         width, height = image.size

@@ -8,7 +8,7 @@ use std::ffi::{c_int, c_void};
 
 use ec_core::preprocess::{self, Filter, ImageFormat, PreprocessError, QwenVlConfig, QwenVlOutput};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -22,6 +22,9 @@ create_exception!(
 
 fn image_error(py: Python<'_>, index: usize, err: &PreprocessError) -> PyErr {
     let message = err.to_string();
+    if let PreprocessError::OutOfMemory { .. } = err {
+        return PyMemoryError::new_err(format!("image {index} {message}"));
+    }
     let py_err = ImageError::new_err(format!("image {index} {message}"));
     let value = py_err.value(py);
     let set = || -> PyResult<()> {

@@ -151,7 +151,10 @@ pub fn probe(data: &[u8], allowed: &[ImageFormat]) -> Result<ImageInfo> {
     let (width, height) = match format {
         ImageFormat::Jpeg => jpeg::dimensions(data)?,
         ImageFormat::Png => decoder_dims(image::codecs::png::PngDecoder::new(Cursor::new(data)))?,
-        ImageFormat::Gif => decoder_dims(image::codecs::gif::GifDecoder::new(Cursor::new(data)))?,
+        ImageFormat::Gif => {
+            check_gif_blocks(data)?;
+            decoder_dims(image::codecs::gif::GifDecoder::new(Cursor::new(data)))?
+        }
         ImageFormat::Bmp => decoder_dims(image::codecs::bmp::BmpDecoder::new(Cursor::new(data)))?,
         ImageFormat::WebP => {
             decoder_dims(image::codecs::webp::WebPDecoder::new(Cursor::new(data)))?
@@ -165,6 +168,26 @@ pub fn probe(data: &[u8], allowed: &[ImageFormat]) -> Result<ImageInfo> {
         width,
         height,
     })
+}
+
+/// A GIF's first block after the screen descriptor and global colour table must be an
+/// extension (`!`) or an image (`,`), as Pillow requires before it reports a size: a
+/// 13-byte header alone is not an image.
+fn check_gif_blocks(data: &[u8]) -> Result<()> {
+    const SCREEN_END: usize = 13;
+    let packed = *data.get(10).ok_or(PreprocessError::Truncated)?;
+    let table = if packed & 0x80 != 0 {
+        3 << ((packed & 0x07) + 1)
+    } else {
+        0
+    };
+    match data.get(SCREEN_END + table) {
+        Some(b'!' | b',') => Ok(()),
+        Some(_) => Err(PreprocessError::Corrupt {
+            message: "no GIF block after the screen descriptor".into(),
+        }),
+        None => Err(PreprocessError::Truncated),
+    }
 }
 
 fn decoder_dims<D: ImageDecoder>(decoder: image::ImageResult<D>) -> Result<(u32, u32)> {
@@ -311,6 +334,11 @@ mod tests {
             assert_eq!(over_white(v, 255), v);
             assert_eq!(over_white(v, 0), 255);
         }
+    }
+
+    #[test]
+    fn a_gif_header_alone_is_not_an_image() {
+        assert!(probe(b"GIF89a-not-really", &ImageFormat::ALL).is_err());
     }
 
     #[test]

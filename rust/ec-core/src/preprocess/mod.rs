@@ -58,6 +58,22 @@ pub enum PreprocessError {
     /// The resize rule cannot handle the image (e.g. an aspect ratio over 200).
     #[error("cannot be processed: {message}")]
     Unprocessable { message: String },
+    /// A buffer the image needs could not be allocated (the process is out of memory
+    /// or under an address-space limit); nothing was aborted.
+    #[error("needs {bytes} bytes that could not be allocated")]
+    OutOfMemory { bytes: usize },
+}
+
+/// `n` default values, or [`PreprocessError::OutOfMemory`] instead of an abort when the
+/// allocator refuses (image-sized buffers may be large).
+pub(crate) fn alloc<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| PreprocessError::OutOfMemory {
+            bytes: n.saturating_mul(std::mem::size_of::<T>()),
+        })?;
+    v.resize(n, T::default());
+    Ok(v)
 }
 
 impl PreprocessError {
@@ -65,6 +81,7 @@ impl PreprocessError {
     pub fn code(&self) -> &'static str {
         match self {
             Self::TooLarge { .. } => "image_too_large",
+            Self::OutOfMemory { .. } => "input_too_large",
             _ => "invalid_image",
         }
     }

@@ -7,7 +7,7 @@
 //! `temporal_patch_size` times.
 
 use super::resize::{resize, Filter};
-use super::{decode_rgb, ImageFormat, PreprocessError, Result, RgbImage};
+use super::{alloc, decode_rgb, ImageFormat, PreprocessError, Result, RgbImage};
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -163,7 +163,7 @@ impl QwenVlConfig {
             w,
             h,
             self.filter,
-        );
+        )?;
         let lut = self.lut();
         let p = self.patch_size as usize;
         let m = self.merge_size as usize;
@@ -171,7 +171,7 @@ impl QwenVlConfig {
         let (gh, gw) = (h / p, w / p);
         let patch_dim = 3 * t * p * p;
         let frame = p * p;
-        let mut out = vec![0f32; gh * gw * patch_dim];
+        let mut out = alloc::<f32>(gh * gw * patch_dim)?;
         let mut row = 0usize;
         for bh in 0..gh / m {
             for bw in 0..gw / m {

@@ -4,6 +4,8 @@
 //! over only the rows the vertical pass reads, and the same rounding and clipping.
 //! Channels are interleaved (`channels` bytes per pixel) and independent.
 
+use super::{alloc, Result};
+
 /// A resampling filter of Pillow's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Filter {
@@ -118,8 +120,8 @@ fn horizontal(
     channels: usize,
     c: &Coeffs,
     out_width: usize,
-) -> Vec<u8> {
-    let mut out = vec![0u8; rows.len() * out_width * channels];
+) -> Result<Vec<u8>> {
+    let mut out = alloc::<u8>(rows.len() * out_width * channels)?;
     for (oy, y) in rows.enumerate() {
         let line = &src[y * in_width * channels..(y + 1) * in_width * channels];
         let dst = &mut out[oy * out_width * channels..(oy + 1) * out_width * channels];
@@ -147,12 +149,12 @@ fn horizontal(
             }
         }
     }
-    out
+    Ok(out)
 }
 
-fn vertical(src: &[u8], row_len: usize, c: &Coeffs, first_row: usize) -> Vec<u8> {
-    let mut out = vec![0u8; c.bounds.len() * row_len];
-    let mut acc = vec![0i32; row_len];
+fn vertical(src: &[u8], row_len: usize, c: &Coeffs, first_row: usize) -> Result<Vec<u8>> {
+    let mut out = alloc::<u8>(c.bounds.len() * row_len)?;
+    let mut acc = alloc::<i32>(row_len)?;
     for (yy, &(ymin, taps)) in c.bounds.iter().enumerate() {
         let k = &c.weights[yy * c.ksize..yy * c.ksize + taps];
         acc.fill(ROUND);
@@ -167,7 +169,7 @@ fn vertical(src: &[u8], row_len: usize, c: &Coeffs, first_row: usize) -> Vec<u8>
             *o = clip8(a);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Resizes an interleaved 8-bit image of `channels` channels from `in_w`x`in_h` to
@@ -185,12 +187,16 @@ pub fn resize(
     out_w: usize,
     out_h: usize,
     filter: Filter,
-) -> Vec<u8> {
+) -> Result<Vec<u8>> {
     debug_assert_eq!(src.len(), in_w * in_h * channels);
     let need_h = out_w != in_w;
     let need_v = out_h != in_h;
     match (need_h, need_v) {
-        (false, false) => src.to_vec(),
+        (false, false) => {
+            let mut copy = alloc::<u8>(src.len())?;
+            copy.copy_from_slice(src);
+            Ok(copy)
+        }
         (true, false) => horizontal(
             src,
             in_w,
@@ -201,7 +207,7 @@ pub fn resize(
         ),
         (false, true) => vertical(src, in_w * channels, &coeffs(in_h, out_h, filter), 0),
         (true, true) if vertical_first(in_w, in_h, out_w, out_h) => {
-            let tmp = vertical(src, in_w * channels, &coeffs(in_h, out_h, filter), 0);
+            let tmp = vertical(src, in_w * channels, &coeffs(in_h, out_h, filter), 0)?;
             horizontal(
                 &tmp,
                 in_w,
@@ -216,7 +222,7 @@ pub fn resize(
             let first = vert.bounds.first().map_or(0, |b| b.0);
             let last = vert.bounds.last().map_or(in_h, |b| b.0 + b.1);
             let horiz = coeffs(in_w, out_w, filter);
-            let tmp = horizontal(src, in_w, first..last, channels, &horiz, out_w);
+            let tmp = horizontal(src, in_w, first..last, channels, &horiz, out_w)?;
             vertical(&tmp, out_w * channels, &vert, first)
         }
     }

@@ -1,0 +1,224 @@
+"""Image preprocessing: the native (Rust) Qwen2-VL path against transformers' (PIL
+backend, as the server runs it: Pillow decode + RGB, then the image processor).
+
+1. ms per image, one thread, Qwen2-VL checkpoint pixel range (min 3136, max
+   12845056): 1280x720 JPEG, 448x448 PNG, 3000x4000 JPEG.
+2. Scaling: images per second with 1 and 2 concurrent Python threads calling each
+   path (the native call releases the GIL; transformers' mostly holds it).
+3. End to end: ``ec-frontend serve --mock-engine`` whose mock processor runs the
+   image path (``EC_FRONTEND_MOCK_IMAGE_MODEL``), chat requests with 4 x 1280x720
+   JPEGs each, requests/s and server CPU seconds per request, native vs transformers
+   (``EC_FRONTEND_DISABLE_NATIVE_PREPROCESS=1``).
+
+The torchvision backend is not measured: torchvision is not installed here.
+Writes ``benches/results/bench_preprocess.json``.
+
+Run: ``.venv/bin/python benches/bench_preprocess.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from ec_frontend.model.builtin import ensure_builtin_checkpoint
+from ec_frontend.model.media import decode_image
+from ec_frontend.model.native_preprocess import DISABLE_ENV, native_preprocessor_for
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import launch_server
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benches" / "results"
+#: Qwen2-VL-7B-Instruct's preprocessor_config.json pixel range.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16384
+
+
+def photo(h: int, w: int, seed: int) -> Image.Image:
+    """Photo-like content: smooth colour fields plus sensor noise."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (max(h // 40, 2), max(w // 40, 2), 3), dtype=np.uint8)
+    base = np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC))
+    noise = rng.normal(0, 6, (h, w, 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def encoded(fmt: str, h: int, w: int, seed: int = 0) -> bytes:
+    out = io.BytesIO()
+    kwargs: dict[str, Any] = {"quality": 90} if fmt == "JPEG" else {}
+    photo(h, w, seed).save(out, fmt, **kwargs)
+    return out.getvalue()
+
+
+def processor() -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+def python_path(ip: Qwen2VLImageProcessorPil, data: bytes) -> Any:
+    image = decode_image(data, index=0, max_pixels=200_000_000)
+    return ip(images=[image], return_tensors="pt")["pixel_values"]
+
+
+def timed(fn: Any, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def per_image(quick: bool) -> list[dict[str, Any]]:
+    ip = processor()
+    native = native_preprocessor_for(ip, max_image_pixels=200_000_000)
+    assert native is not None
+    rows = []
+    for name, data, repeat in (
+        ("1280x720 JPEG", encoded("JPEG", 720, 1280), 3 if quick else 10),
+        ("448x448 PNG", encoded("PNG", 448, 448), 5 if quick else 20),
+        ("3000x4000 JPEG", encoded("JPEG", 4000, 3000), 1 if quick else 3),
+    ):
+        t_py = timed(lambda d=data: python_path(ip, d), repeat)
+        t_nat = timed(lambda d=data: native.preprocess([d], [0]), repeat)
+        rows.append(
+            {
+                "image": name,
+                "transformers_pil_ms": round(t_py * 1e3, 2),
+                "native_ms": round(t_nat * 1e3, 2),
+                "speedup": round(t_py / t_nat, 1),
+            }
+        )
+        print(f"{name:16s} transformers {t_py * 1e3:8.1f} ms  native {t_nat * 1e3:7.1f} ms  "
+              f"x{t_py / t_nat:.1f}")  # fmt: skip
+    return rows
+
+
+def scaling(quick: bool) -> list[dict[str, Any]]:
+    """Images/s of N threads each preprocessing 1280x720 JPEGs one call at a time."""
+    ip = processor()
+    native = native_preprocessor_for(ip, max_image_pixels=200_000_000)
+    assert native is not None
+    data = encoded("JPEG", 720, 1280)
+    per_thread = 4 if quick else 12
+    rows = []
+    for label, fn in (
+        ("transformers_pil", lambda: python_path(ip, data)),
+        ("native", lambda: native.preprocess([data], [0])),
+    ):
+        fn()
+        for threads in (1, 2):
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda _, f=fn: [f() for _ in range(per_thread)], range(threads)))
+            rate = threads * per_thread / (time.perf_counter() - start)
+            rows.append({"path": label, "threads": threads, "images_per_s": round(rate, 1)})
+            print(f"{label:16s} {threads} thread(s): {rate:6.1f} images/s")
+    return rows
+
+
+def image_model_dir(tmp: Path) -> Path:
+    """The built-in checkpoint with Qwen2-VL's real pixel range in its image config."""
+    src = ensure_builtin_checkpoint(tmp / "cache")
+    dst = tmp / "qwen2-vl-pixels"
+    shutil.copytree(src, dst)
+    cfg_path = dst / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    cfg["size"] = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    cfg_path.write_text(json.dumps(cfg))
+    return dst
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def end_to_end(quick: bool, tmp: Path) -> list[dict[str, Any]]:
+    model_dir = image_model_dir(tmp)
+    url_part = "data:image/jpeg;base64," + base64.b64encode(encoded("JPEG", 720, 1280)).decode()
+    content: list[dict[str, Any]] = [{"type": "text", "text": "compare these"}]
+    content += [{"type": "image_url", "image_url": {"url": url_part}} for _ in range(4)]
+    body = {"model": "mock", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    n_requests = 8 if quick else 24
+    rows = []
+    for label, disable in (("transformers_pil", "1"), ("native", "0")):
+        os.environ["EC_FRONTEND_MOCK_IMAGE_MODEL"] = str(model_dir)
+        os.environ[DISABLE_ENV] = disable
+        proc, url = launch_server(["--mock-engine", "--log-level", "warning"])
+        try:
+            with httpx.Client(timeout=300) as client:
+                client.post(url + "/v1/chat/completions", json=body).raise_for_status()
+                cpu0 = cpu_seconds(proc.pid)
+                start = time.perf_counter()
+
+                def send(_: int, c: httpx.Client = client, u: str = url) -> None:
+                    c.post(u + "/v1/chat/completions", json=body).raise_for_status()
+
+                with ThreadPoolExecutor(4) as pool:
+                    list(pool.map(send, range(n_requests)))
+                elapsed = time.perf_counter() - start
+                cpu = cpu_seconds(proc.pid) - cpu0
+                images = httpx.get(url + "/metrics").text
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        counted = [ln for ln in images.splitlines() if ln.startswith("ec_frontend_images_pre")]
+        rows.append(
+            {
+                "path": label,
+                "requests_per_s": round(n_requests / elapsed, 2),
+                "server_cpu_s_per_request": round(cpu / n_requests, 3),
+                "metric": counted[0] if counted else None,
+            }
+        )
+        print(f"{label:16s} {n_requests / elapsed:6.2f} requests/s  "
+              f"{cpu / n_requests:6.3f} server CPU s/request  {rows[-1]['metric']}")  # fmt: skip
+    for key in ("EC_FRONTEND_MOCK_IMAGE_MODEL", DISABLE_ENV):
+        os.environ.pop(key, None)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--skip-e2e", action="store_true")
+    args = parser.parse_args()
+    torch_threads = os.environ.get("OMP_NUM_THREADS")
+    result: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "pixel_range": [MIN_PIXELS, MAX_PIXELS],
+        "omp_num_threads": torch_threads,
+        "torchvision": "not installed (not measured)",
+    }
+    result["per_image_one_thread"] = per_image(args.quick)
+    result["scaling_1280x720_jpeg"] = scaling(args.quick)
+    if not args.skip_e2e:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["end_to_end_mock_engine_4x1280x720"] = end_to_end(args.quick, Path(tmp))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "bench_preprocess.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
