@@ -49,7 +49,6 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: 11,
     torch.bfloat16: 12,
 }
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def import_mooncake(module: str) -> Any:

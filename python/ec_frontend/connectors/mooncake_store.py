@@ -32,7 +32,8 @@ master's ``--enable_http_metadata_server``), ``protocol`` (``tcp`` or
 (memory this instance lends the store, default 512 MB) and
 ``local_buffer_size`` (default 64 MB), ``embedding_cache_prefix``,
 ``embedding_model_identity`` (default ``default``), ``store_read_buffer_bytes``
-(default 128 MB: a larger item is not read). ec-frontend's own:
+(default 128 MB: a larger item is not read; items are read straight into their
+own tensors, not through a shared buffer). ec-frontend's own:
 ``embedding_revision`` (default ``default``), ``embedding_encoder_identity``
 (default ``encoder:default``), ``embedding_dtype`` (default ``torch.float32``:
 the model's dtype; the key of every instance must agree), ``local_hostname``
@@ -66,7 +67,6 @@ from ec_frontend.connectors.base import (
 )
 from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.mooncake_common import (
-    CODE_DTYPES,
     DTYPE_CODES,
     BoundedCalls,
     CallTimeout,
@@ -91,6 +91,8 @@ PREFIX = "ec_connector_extra_config"
 KEY_VERSION = "v3"
 MAGIC = 0x4D4F4F4E
 HEADER = struct.Struct("<IIQQ")
+#: Items read in one batch (each needs a header slot in a registered buffer).
+_HEADERS = 256
 _DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}
 
 
@@ -123,21 +125,6 @@ def encode_header(tensor: torch.Tensor) -> bytes:
             f"not {tensor.dtype} of shape {list(tensor.shape)}"
         )
     return HEADER.pack(MAGIC, code, *tensor.shape)
-
-
-def decode_value(data: memoryview | bytes) -> torch.Tensor:
-    """The encoder output in a stored value (a copy); ``ValueError`` when it is not one."""
-    if len(data) < HEADER.size:
-        raise ValueError(f"{len(data)} bytes: shorter than the header")
-    magic, code, rows, hidden = HEADER.unpack_from(data)
-    dtype = CODE_DTYPES.get(code)
-    if magic != MAGIC or dtype is None:
-        raise ValueError("not a Mooncake embedding value (magic or dtype code)")
-    nbytes = rows * hidden * torch.finfo(dtype).bits // 8
-    if len(data) != HEADER.size + nbytes:
-        raise ValueError(f"{len(data)} bytes for a [{rows}, {hidden}] {dtype} tensor")
-    body = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=HEADER.size)
-    return body.clone().view(dtype).reshape(rows, hidden)
 
 
 @dataclass(frozen=True)
@@ -229,8 +216,8 @@ class EmbeddingStore:
         self.settings = settings
         self.calls = BoundedCalls("mooncake-store", settings.timeout_s)
         self.store = store_module.MooncakeDistributedStore()
-        self._read_buffer: torch.Tensor | None = None
         self._header = ctypes.create_string_buffer(HEADER.size)
+        self._headers = ctypes.create_string_buffer(HEADER.size * _HEADERS)
         s = settings
 
         def setup() -> int:
@@ -261,7 +248,10 @@ class EmbeddingStore:
                 f"{PREFIX}.master_server_address",
             )
         ret = self.calls.call(
-            lambda: self.store.register_buffer(ctypes.addressof(self._header), HEADER.size)
+            lambda: (
+                self.store.register_buffer(ctypes.addressof(self._header), HEADER.size)
+                or self.store.register_buffer(ctypes.addressof(self._headers), len(self._headers))
+            )
         )
         if ret != 0:
             raise ConfigError(f"Mooncake Store refused a buffer (code {ret})", "mooncake")
@@ -308,77 +298,76 @@ class EmbeddingStore:
             logger.warning("Mooncake Store put of %s failed (code %d)", key, result)
         return result >= 0
 
-    def get(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The encoder outputs stored under ``keys`` (missing or invalid ones left out)."""
-        if not keys:
+    def get(self, rows: dict[str, int]) -> dict[str, torch.Tensor]:
+        """The encoder outputs stored under the keys of ``rows`` (key -> expected row
+        count); missing or invalid ones are left out.
+
+        Each value lands straight in a fresh tensor of the right shape (its header in
+        a small registered buffer beside it): the read is the only copy.
+        """
+        if not rows:
             return {}
-        limit = self.settings.read_buffer_bytes
+        keys = list(rows)
         try:
             sizes = self.calls.call(lambda: [int(self.store.get_size(k)) for k in keys])
         except CallTimeout as exc:
             logger.warning("Mooncake Store get failed: %s", exc)
             return {}
-        found: dict[str, torch.Tensor] = {}
-        batch: list[tuple[str, int]] = []
-        used = 0
+        dtype = self.settings.dtype
+        itemsize = torch.finfo(dtype).bits // 8
+        targets: dict[str, torch.Tensor] = {}
         for key, size in zip(keys, sizes, strict=True):
-            if size <= 0 or size > limit:
-                why = "missing" if size <= 0 else f"{size} bytes, over store_read_buffer_bytes"
-                logger.warning("Mooncake Store item %s not read: %s", key, why)
-                continue
-            if used + size > limit:
-                found.update(self._read(batch))
-                batch, used = [], 0
-            batch.append((key, size))
-            used += size
-        found.update(self._read(batch))
+            body, per_row = size - HEADER.size, rows[key] * itemsize
+            if size <= HEADER.size or size > self.settings.read_buffer_bytes or per_row <= 0:
+                logger.warning("Mooncake Store item %s not read (size %d)", key, size)
+            elif body % per_row:
+                logger.warning("Mooncake Store item %s: %d bytes for %d rows", key, body, rows[key])
+            else:
+                targets[key] = torch.empty(rows[key], body // per_row, dtype=dtype)
+        found: dict[str, torch.Tensor] = {}
+        batch = list(targets.items())
+        for i in range(0, len(batch), _HEADERS):
+            found.update(self._read(batch[i : i + _HEADERS]))
         return found
 
-    def _read(self, batch: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        if not batch:
-            return {}
-        buffer = self._buffer()
-        if buffer is None:
-            return {}
-        base = buffer.data_ptr()
-        offsets, end = [], 0
-        for _, size in batch:
-            offsets.append(end)
-            end += size
+    def _read(self, batch: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        headers = ctypes.addressof(self._headers)
         keys = [k for k, _ in batch]
-        sizes = [s for _, s in batch]
-        ptrs = [base + o for o in offsets]
+        ptrs = [[headers + i * HEADER.size, t.data_ptr()] for i, (_, t) in enumerate(batch)]
+        lengths = [[HEADER.size, t.numel() * t.element_size()] for _, t in batch]
+        store = self.store
+
+        def read() -> list[int]:
+            registered = []
+            try:
+                for _, t in batch:
+                    if store.register_buffer(t.data_ptr(), t.numel() * t.element_size()) != 0:
+                        return [-1] * len(batch)
+                    registered.append(t.data_ptr())
+                return list(store.batch_get_into_multi_buffers(keys, ptrs, lengths))
+            finally:
+                for ptr in registered:
+                    store.unregister_buffer(ptr)
+
         try:
-            results = self.calls.call(lambda: list(self.store.batch_get_into(keys, ptrs, sizes)))
+            results = self.calls.call(read)
         except CallTimeout as exc:
             logger.warning("Mooncake Store get failed: %s", exc)
             return {}
-        view = memoryview(buffer.numpy())
         found: dict[str, torch.Tensor] = {}
-        for key, offset, size, result in zip(keys, offsets, sizes, results, strict=True):
-            if result != size:
+        code = DTYPE_CODES[self.settings.dtype]
+        for i, ((key, tensor), result) in enumerate(zip(batch, results, strict=True)):
+            expected = HEADER.size + tensor.numel() * tensor.element_size()
+            header = HEADER.unpack_from(self._headers, i * HEADER.size)
+            if result != expected:
                 logger.warning("Mooncake Store get of %s failed (code %s)", key, result)
-                continue
-            try:
-                found[key] = decode_value(view[offset : offset + size])
-            except ValueError as exc:
-                logger.warning("Mooncake Store item %s: %s", key, exc)
-        return found
-
-    def _buffer(self) -> torch.Tensor | None:
-        if self._read_buffer is None:
-            buffer = torch.empty(self.settings.read_buffer_bytes, dtype=torch.uint8)
-            try:
-                ret = self.calls.call(
-                    lambda: self.store.register_buffer(buffer.data_ptr(), buffer.nbytes)
+            elif header != (MAGIC, code, *tensor.shape):
+                logger.warning(
+                    "Mooncake Store item %s: not a %s embedding value", key, tensor.shape
                 )
-            except CallTimeout:
-                ret = -1
-            if ret != 0:
-                logger.warning("Mooncake Store refused the read buffer (code %s)", ret)
-                return None
-            self._read_buffer = buffer
-        return self._read_buffer
+            else:
+                found[key] = tensor
+        return found
 
 
 _STORES: dict[int, tuple[ECTransferConfig, EmbeddingStore]] = {}
@@ -440,7 +429,7 @@ class MooncakeStoreECConnector(ECConnectorBase):
         if not specs:
             return
         keys = {self.store.key(h): s for h, s in specs.items()}
-        found = self.store.get(list(keys))
+        found = self.store.get({k: s.num_tokens for k, s in keys.items()})
         for key, spec in keys.items():
             tensor = found.get(key)
             problem = (
