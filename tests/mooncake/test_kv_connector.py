@@ -19,19 +19,22 @@ import pytest
 import torch
 from ec_frontend.connectors.kv_base import KVConnectorRole, KVLoadResult
 from ec_frontend.connectors.mooncake_kv import MooncakeConnector, RemoteLayout, read_plan
-from ec_frontend.engine.config import KVTransferConfig
+from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, signed
+from ec_frontend.engine.config import KVTransferConfig, TransferTrust
 
 PROMPT = list(range(40, 61))  # 21 tokens: 3 blocks of 8
+SECRET = b"mooncake-kv-test-secret-0123456789"
 
 
 def caches(num_blocks: int = 12, layers: int = 2) -> list[torch.Tensor]:
     return [torch.randn(2, num_blocks, 8, 2, 4) for _ in range(layers)]
 
 
-def connector(role: str, **extra: Any) -> MooncakeConnector:
+def connector(role: str, *, secret: bytes | None = SECRET, **extra: Any) -> MooncakeConnector:
     config = KVTransferConfig.from_json(
         {"kv_connector": "MooncakeConnector", "kv_role": role,
-         "kv_connector_extra_config": {"timeout_s": 1.0, **extra}}
+         "kv_connector_extra_config": {"timeout_s": 1.0, **extra}},
+        trust=TransferTrust(secret=secret),
     )  # fmt: skip
     return MooncakeConnector(config, KVConnectorRole.WORKER)
 
@@ -50,6 +53,12 @@ def prefill() -> Iterator[tuple[MooncakeConnector, list[torch.Tensor]]]:
     p, kv = connector("kv_producer", ttl_s=30.0), caches()
     p.save_kv(kv)
     yield p, kv
+
+
+def resign(params: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """``params`` with ``change`` applied, signed afresh (the test plays the prefill)."""
+    body = {k: v for k, v in {**params, **change}.items() if k != SIGNATURE_KEY}
+    return signed(SECRET, "kv", params["remote_request_id"], body, 60.0)
 
 
 def hand_over(p: MooncakeConnector, rid: str, blocks: list[int]) -> dict[str, Any]:
@@ -104,7 +113,7 @@ def test_peer_that_never_answers_fails_within_timeout(prefill: Any) -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        params["remote_port"] = silent.getsockname()[1]
+        params = resign(params, remote_port=silent.getsockname()[1])
         start = time.monotonic()
         result = load(connector("kv_consumer"), caches(), "r3", params, [1, 2, 3])
     assert time.monotonic() - start < 1.0 + 3
@@ -114,11 +123,12 @@ def test_peer_that_never_answers_fails_within_timeout(prefill: Any) -> None:
 def test_prefill_gone_and_other_layout_fail_the_request(prefill: Any) -> None:
     p, _ = prefill
     params = hand_over(p, "r4", [1, 2, 3])
-    gone = {**params, "remote_port": 1}
+    gone = resign(params, remote_port=1)
     result = load(connector("kv_consumer"), caches(), "r4", gone, [1, 2, 3])
     assert result is not None and "Transfer Engine read" in (result.error or "")
     d = connector("kv_consumer")
-    result = load(d, [torch.zeros(2, 12, 16, 2, 4) for _ in range(2)], "r4", params, [1, 2, 3])
+    other = [torch.zeros(2, 12, 16, 2, 4) for _ in range(2)]
+    result = load(d, other, "r4", resign(params), [1, 2, 3])
     assert result is not None and "layout" in (result.error or "")
 
 
@@ -129,10 +139,22 @@ def test_prefill_gone_and_other_layout_fail_the_request(prefill: Any) -> None:
 )  # fmt: skip
 def test_unusable_params_mean_a_local_prefill(prefill: Any, change: dict[str, Any]) -> None:
     p, _ = prefill
-    params = {**hand_over(p, "r5", [1, 2, 3]), **change}
+    params = resign(hand_over(p, "r5", [1, 2, 3]), **change)
     d = connector("kv_consumer")
     assert d.get_num_new_matched_tokens(request("r5", **params), 0) == (0, False)
     assert d.local_prefill_fallbacks == 1
+
+
+def test_unsigned_params_need_an_explicit_opt_in() -> None:
+    p = connector("kv_producer", secret=None)
+    p.save_kv(caches())
+    params = hand_over(p, "r6", [1, 2, 3])
+    assert SIGNATURE_KEY not in params
+    strict = connector("kv_consumer", secret=None)
+    assert strict.get_num_new_matched_tokens(request("r6", **params), 0) == (0, False)
+    trusting = connector("kv_consumer", secret=None, allow_unsigned_params=True)
+    result = load(trusting, caches(), "r6", params, [1, 2, 3])
+    assert result is not None and result.error is None
 
 
 def test_read_plan_merges_adjacent_blocks() -> None:

@@ -29,9 +29,16 @@ A read that fails (prefill gone, a refused address) or does not finish in
 any failed request. Params with another cache layout (block bytes, layer count)
 are refused before any read.
 
+The params carry memory addresses that decode reads from and writes 8 bytes to
+(the Transfer Engine refuses anything outside prefill's registered memory, but
+inside it a forged address could read another request's blocks or touch its
+KV). Decode therefore acts only on signed params (a transfer secret), unless
+``allow_unsigned_params`` is set for a host whose clients are all trusted.
+
 ``kv_connector_extra_config``: ``protocol`` (``tcp`` or ``rdma``, default ``tcp``),
 ``device_name`` (RDMA devices), ``host`` (the address this engine advertises and
-binds, default ``127.0.0.1``), ``ttl_s`` (default 30), ``timeout_s`` (default 10).
+binds, default ``127.0.0.1``), ``ttl_s`` (default 30), ``timeout_s`` (default 10),
+``allow_unsigned_params`` (default false).
 """
 
 from __future__ import annotations
@@ -179,6 +186,12 @@ class _State:
             raise ConfigError(f"{PREFIX}.host must be a host name or address", f"{PREFIX}.host")
         self.ttl_s = positive_float(extra, "ttl_s", 30.0, PREFIX)
         self.timeout_s = positive_float(extra, "timeout_s", 10.0, PREFIX)
+        self.unsigned = extra.get("allow_unsigned_params", False)
+        if not isinstance(self.unsigned, bool):
+            raise ConfigError(
+                f"{PREFIX}.allow_unsigned_params must be a boolean",
+                f"{PREFIX}.allow_unsigned_params",
+            )
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self.engine = engine_module.TransferEngine()
         ret = self.engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, device)
@@ -287,6 +300,12 @@ class MooncakeConnector(KVConnectorBase):
         layout = parse_layout(params)
         if isinstance(layout, str) and not isinstance(remote, str):
             remote = layout
+        if (
+            not isinstance(remote, str)
+            and self.config.trust.secret is None
+            and not self.state.unsigned
+        ):
+            remote = "unsigned (set a transfer secret, or allow_unsigned_params on a trusted host)"
         if not isinstance(remote, str):
             reason = check_entry(
                 self.config.trust, "kv", remote.request_id, params, remote.host, remote.port
