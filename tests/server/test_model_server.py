@@ -233,7 +233,8 @@ def test_generate_with_features_reuses_the_encoded_image(
         {"model": MODEL_NAME, "messages": IMAGE_MESSAGES, "max_tokens": 4, "temperature": 0}
     )
     chat = httpx.post(model_server.url + "/v1/chat/completions", content=chat_body).json()
-    hits = model_server.metrics()["ec_frontend_encoder_cache_hits_total"]
+    before = model_server.metrics()
+    hits = before["ec_frontend_encoder_cache_hits_total"]
 
     parsed = ecf.parse_request("chat", chat_body, model_id=model_id)
     inputs = load_processor(builtin_model_dir, model_id=model_id).process_chat(
@@ -258,4 +259,16 @@ def test_generate_with_features_reuses_the_encoded_image(
     assert out["choices"][0]["text"] == chat["choices"][0]["message"]["content"]
     assert out["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
     assert out["ec_transfer_params"]["received"] == {}
-    assert model_server.metrics()["ec_frontend_encoder_cache_hits_total"] == hits + 1
+    # Reused either as an encoder-cache hit or, with prefix caching, as cached KV
+    # covering the whole image; never encoded again.
+    after = model_server.metrics()
+    kv_hit = after["ec_frontend_prefix_cache_hits_total"] - before.get(
+        "ec_frontend_prefix_cache_hits_total", 0.0
+    )
+    assert kv_hit >= feat.offset + feat.length or (
+        after["ec_frontend_encoder_cache_hits_total"] == hits + 1
+    )
+    assert (
+        after["ec_frontend_encoder_items_computed_total"]
+        == before["ec_frontend_encoder_items_computed_total"]
+    )
