@@ -194,10 +194,14 @@ def test_nothing_recomputed(
 
     assert delta(encoder, "encoder_items_computed_total") == 2
     assert delta(consumer, "encoder_items_computed_total") == 0
+    # The proxy sends encoded images on as image_embeds references: no bytes to decode.
+    assert delta(encoder, "images_preprocessed_total") >= 2
+    assert delta(consumer, "images_preprocessed_total") == 0
     assert delta(consumer, "ec_items_loaded_total") == 2
     assert delta(consumer, "ec_load_fallbacks_total") == 0
     if decode is not None:
         assert delta(decode, "encoder_items_computed_total") == 0
+        assert delta(decode, "images_preprocessed_total") == 0
         assert delta(decode, "prompt_tokens_computed_total") <= 2
         assert delta(decode, "kv_tokens_received_total") == prompts
         assert delta(consumer, "kv_tokens_sent_total") == prompts

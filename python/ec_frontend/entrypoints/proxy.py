@@ -9,7 +9,11 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    error or 5xx) is retried on the next one; when every encoder fails for an
    item the request goes on without its params (the next stage encodes locally
    when it can), the response says so in ``X-EC-Fallback`` and
-   ``ec_frontend_proxy_encoder_fallbacks_total`` counts it;
+   ``ec_frontend_proxy_encoder_fallbacks_total`` counts it. As vLLM's EPD proxy
+   does, each item goes to the encoder named by a ``uuid`` (the client's, else
+   the SHA-256 of its URL), and the later stages get every encoded image as a
+   metadata-only ``image_embeds`` reference with that ``uuid`` and the encoder's
+   ``image_grid_thw``: no image bytes, no decoding, no preprocessing there;
 2. with prefill instances: the request goes to one with ``max_tokens: 1``,
    ``kv_transfer_params: {"do_remote_decode": true}`` and the ec params, not
    streamed; its ``kv_transfer_params`` are what decode needs;
@@ -40,11 +44,13 @@ the request there); an instance that cannot be reached gives 502.
 from __future__ import annotations
 
 import asyncio
+import copy
+import hashlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,20 +201,61 @@ def _request_id(value: str | None) -> str:
     return uuid.uuid4().hex
 
 
-def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The distinct ``image_url`` content parts of a chat body, in order."""
-    parts: list[dict[str, Any]] = []
-    seen: set[bytes] = set()
+def _image_parts(body: dict[str, Any]) -> Iterator[tuple[list[Any], int, dict[str, Any]]]:
+    """``(content, index, part)`` for every ``image_url`` part of a chat body."""
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
+        for i, part in enumerate(content if isinstance(content, list) else ()):
             if isinstance(part, dict) and part.get("type") == "image_url":
-                key = orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
-                if key not in seen:
-                    seen.add(key)
-                    parts.append(part)
-    return parts
+                yield content, i, part
+
+
+def _part_key(part: dict[str, Any]) -> bytes:
+    return orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
+
+
+def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The distinct ``image_url`` content parts of a chat body, in order."""
+    parts: dict[bytes, dict[str, Any]] = {}
+    for _, _, part in _image_parts(body):
+        parts.setdefault(_part_key(part), part)
+    return list(parts.values())
+
+
+def item_uuid(part: dict[str, Any]) -> str:
+    """The name an image goes by on every stage: the client's ``uuid``, else (as
+    vLLM's EPD proxy names it) the SHA-256 of its URL."""
+    uid = part.get("uuid")
+    if isinstance(uid, str) and uid:
+        return uid
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    return hashlib.sha256(str(url).encode()).hexdigest()
+
+
+def _grid(params: dict[str, Any]) -> Any:
+    """The ``image_grid_thw`` of a one-item encoder answer (``None`` when absent)."""
+    entries = list(params.values())
+    entry = entries[0] if len(entries) == 1 else None
+    metadata = entry.get("metadata") if isinstance(entry, dict) else None
+    return metadata.get("image_grid_thw") if isinstance(metadata, dict) else None
+
+
+def as_references(body: dict[str, Any], grids: dict[bytes, Any]) -> dict[str, Any]:
+    """``body`` with each encoded image (``grids``: part key -> ``[t, h, w]``) as a
+    metadata-only ``image_embeds`` reference, so the next stage gets no image bytes;
+    images the encoders failed stay as they are (encoded there)."""
+    out = copy.deepcopy(body)
+    for content, i, part in list(_image_parts(out)):
+        grid = grids.get(_part_key(part))
+        if grid is not None:
+            content[i] = {
+                "type": "image_embeds",
+                "image_embeds": {"image_grid_thw": grid},
+                "uuid": item_uuid(part),
+            }
+    return out
 
 
 def prefill_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -274,13 +321,17 @@ class Proxy:
 
     async def _encode_one(
         self, body: dict[str, Any], part: dict[str, Any], headers: dict[str, str]
-    ) -> dict[str, Any] | None:
-        """The item's ``ec_transfer_params`` from the first encoder that gives them."""
+    ) -> tuple[dict[str, Any], Any] | None:
+        """The item's ``ec_transfer_params`` from the first encoder that gives them (the
+        item named by :func:`item_uuid`, so a reference can name it downstream), less
+        entries that fail verification, and the ``image_grid_thw`` the encoder reported
+        (metadata from an encoder this proxy chose; the item itself is found by its
+        key, through the params or the consumer's connector)."""
         urls = self.config.encode_urls
         start = next(self._rr["encode"])
         item_body: dict[str, Any] = {
             "model": body.get("model"),
-            "messages": [{"role": "user", "content": [part]}],
+            "messages": [{"role": "user", "content": [{**part, "uuid": item_uuid(part)}]}],
             "max_tokens": 1,
             "stream": False,
         }
@@ -302,10 +353,11 @@ class Proxy:
                 self.metrics.encoder_requests.inc(("failed",))
                 log.warning("encoder %s failed (%d); trying the next", url, exc.status)
                 continue
-            params = self._verified_ec(url, data.get("ec_transfer_params"))
-            if isinstance(params, dict) and params:
+            raw = data.get("ec_transfer_params")
+            params = self._verified_ec(url, raw)
+            if isinstance(raw, dict) and raw:
                 self.metrics.encoder_requests.inc(("ok",))
-                return params
+                return (params if isinstance(params, dict) else {}), _grid(raw)
             self.metrics.encoder_requests.inc(("no_params",))
         return None
 
@@ -330,27 +382,34 @@ class Proxy:
 
     async def _encode(
         self, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[dict[str, Any], bool]:
-        """``(ec_transfer_params, fell_back)`` for the body's media items."""
+    ) -> tuple[dict[str, Any], dict[bytes, Any], bool]:
+        """``(ec_transfer_params, grids, fell_back)`` for the body's media items;
+        ``grids`` maps each encoded part to the ``image_grid_thw`` its encoder reported."""
         parts = media_parts(body)
         if not parts or not self.config.encode_urls:
-            return {}, False
+            return {}, {}, False
         started = time.perf_counter()
         fanout = asyncio.Semaphore(self.config.max_encoder_fanout)
 
-        async def encode_one(part: dict[str, Any]) -> dict[str, Any] | None:
+        async def encode_one(part: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
             async with fanout:
                 return await self._encode_one(body, part, headers)
 
         results = await asyncio.gather(*(encode_one(p) for p in parts))
         merged: dict[str, Any] = {}
-        for params in results:
-            merged.update(params or {})
+        grids: dict[bytes, Any] = {}
+        for part, result in zip(parts, results, strict=True):
+            if result is None:
+                continue
+            params, grid = result
+            merged.update(params)
+            if grid is not None:
+                grids[_part_key(part)] = grid
         self.metrics.encode_seconds.observe(time.perf_counter() - started)
         fell_back = any(p is None for p in results)
         if fell_back:
             self.metrics.encoder_fallbacks.inc()
-        return merged, fell_back
+        return merged, grids, fell_back
 
     def _refuse(self, endpoint: str, exc: ClientError, headers: dict[str, str]) -> Response:
         self.metrics.requests.inc((endpoint, str(exc.status)))
@@ -409,12 +468,14 @@ class Proxy:
         out_headers: dict[str, str],
     ) -> Response:
         ec_params: dict[str, Any] = {}
+        decode_body = dict(body)
         if endpoint == "chat":
-            encoded, fell_back = await self._encode(body, headers)
+            encoded, grids, fell_back = await self._encode(body, headers)
             ec_params.update(encoded)
             if fell_back:
                 out_headers[FALLBACK_HEADER] = "local-encode"
-        decode_body = dict(body)
+            if grids:
+                decode_body = as_references(body, grids)
         if ec_params:
             decode_body["ec_transfer_params"] = ec_params
         if self.config.prefill_urls:
