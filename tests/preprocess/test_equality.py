@@ -52,7 +52,6 @@ def run_reference(ip: Qwen2VLImageProcessorPil, case: Case) -> tuple[np.ndarray,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        Image.MAX_IMAGE_PIXELS = None
         out = ip(images=[Image.open(io.BytesIO(case.data))], size=size, return_tensors="np")
     return out["pixel_values"], out["image_grid_thw"][0]
 
