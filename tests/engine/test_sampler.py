@@ -127,3 +127,28 @@ def test_min_tokens_holds_back_eos_and_stop_ids() -> None:
     assert pick((), min_tokens=2, stop_token_ids=[3]) == 2
     assert pick((), min_tokens=2, ignore_eos=True) == 1
     assert pick((), eos=(), min_tokens=2) == 1
+
+
+@pytest.mark.parametrize(
+    ("words", "out", "want"),
+    [
+        ([[1]], (), 3),  # a one-token word is banned everywhere
+        ([[1], [3]], (), 2),
+        ([[2, 1]], (), 1),  # its prefix has not been generated
+        ([[2, 1]], (2,), 3),  # it has: the word's last token is banned
+        ([[2, 1]], (2, 0), 1),  # the prefix must end the output
+        ([[0, 2, 1]], (0, 2), 3),
+        ([[0, 2, 1]], (4, 2), 1),
+        ([[2, 1], [4, 3]], (4,), 1),
+        ([[2, 1], [4, 3]], (2,), 3),
+    ],
+)
+def test_bad_words_ban_the_last_token_after_their_prefix(
+    words: list[list[int]], out: tuple[int, ...], want: int
+) -> None:
+    """vLLM's rule (``v1/sample/ops/bad_words.py``), batched with the other masks."""
+    r = row(temperature=0.0, out=out)
+    r.params.bad_words_token_ids = words
+    other = row(temperature=0.0, out=out)
+    tokens, _ = Sampler()(LOGITS.repeat(2, 1), [r, other])
+    assert tokens == [want, 1]
