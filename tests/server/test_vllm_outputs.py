@@ -371,3 +371,19 @@ def test_bad_words_refusals(mock_server: ServerProcess, words: Any) -> None:
     r = post(mock_server, "/v1/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith("bad_words")
+
+
+def test_responses_logprobs_only_with_include(mock_server: ServerProcess) -> None:
+    body = {"model": MOCK_MODEL, "input": "abc", "max_output_tokens": 3, "top_logprobs": 2}
+    plain = post(mock_server, "/v1/responses", body).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
+    body["include"] = ["message.output_text.logprobs"]
+    out = post(mock_server, "/v1/responses", body).json()
+    part = out["output"][0]["content"][0]
+    assert [lp["token"] for lp in part["logprobs"]] == list(part["text"])
+    assert all(len(lp["top_logprobs"]) == 2 for lp in part["logprobs"])
+    events = stream(mock_server, "/v1/responses", body)
+    deltas = [e for e in events if e.get("type") == "response.output_text.delta"]
+    assert [lp["token"] for e in deltas for lp in e["logprobs"]] == list(part["text"])
+    r = post(mock_server, "/v1/responses", {**body, "include": ["file_search_call.results"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"

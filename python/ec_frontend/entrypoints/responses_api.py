@@ -21,6 +21,7 @@ from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.context import DONE, RequestContext, sse_event
 from ec_frontend.entrypoints.errors import engine_failure, error_body
 from ec_frontend.entrypoints.jobs import Choice, Job, usage
+from ec_frontend.entrypoints.openai_format import chat_logprobs
 from ec_frontend.entrypoints.serving import Serving
 from ec_frontend.entrypoints.tool_parsers import response_function_calls
 
@@ -36,8 +37,10 @@ def _usage(choice: Choice) -> dict[str, Any]:
     }
 
 
-def _message(msg_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_part(text)]
+def _message(
+    msg_id: str, text: str, status: str, logprobs: list[Any] | None = None
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_part(text, logprobs)]
     return {
         "type": "message",
         "id": msg_id,
@@ -47,8 +50,13 @@ def _message(msg_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(ctx: RequestContext, logprobs: list[Any] | None) -> list[Any]:
+    """OpenAI's output-text logprobs (computed only when ``include`` asks for them)."""
+    return chat_logprobs(ctx.tokenizer, logprobs)["content"] if logprobs else []
 
 
 def response_object(
@@ -114,7 +122,7 @@ def _output(ctx: RequestContext, choice: Choice) -> list[dict[str, Any]]:
     left) and one ``function_call`` item per call."""
     msg_id = f"msg_{ctx.request_id}"
     if choice.tools is None:
-        return [_message(msg_id, choice.text, "completed")]
+        return [_message(msg_id, choice.text, "completed", _logprobs(ctx, choice.logprobs))]
     content, calls = response_function_calls(choice.tools, choice.text)
     return ([_message(msg_id, content, "completed")] if content else []) + calls
 
@@ -171,14 +179,16 @@ async def response_stream(
             yield DONE
             return
         if out.text or out.token_ids:
-            yield event("response.output_text.delta", {**loc, "delta": out.text, "logprobs": []})
+            delta = {**loc, "delta": out.text, "logprobs": _logprobs(ctx, out.logprobs)}
+            yield event("response.output_text.delta", delta)
         if out.finished:
             final = c
     if final is None:
         return
-    yield event("response.output_text.done", {**loc, "text": final.text, "logprobs": []})
-    yield event("response.content_part.done", {**loc, "part": _part(final.text)})
-    item = _message(msg_id, final.text, "completed")
+    logprobs = _logprobs(ctx, final.logprobs)
+    yield event("response.output_text.done", {**loc, "text": final.text, "logprobs": logprobs})
+    yield event("response.content_part.done", {**loc, "part": _part(final.text, logprobs)})
+    item = _message(msg_id, final.text, "completed", logprobs)
     yield event("response.output_item.done", {"output_index": 0, "item": item})
     yield _completed(ctx, parsed, resp_id, [item], final, event)
     yield DONE
