@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from ec_frontend._core import (
+    ImageError,
     Limits,
     MediaItem,
     ParsedRequest,
+    PixelBuffer,
+    QwenVlPreprocessor,
     RequestError,
     __version__,
     compute_mm_hash,
@@ -15,12 +18,16 @@ from ec_frontend._core import (
     merge_ec_transfer_params,
     merge_kv_transfer_params,
     parse_request,
+    probe_image,
 )
 
 __all__ = [
+    "ImageError",
     "Limits",
     "MediaItem",
     "ParsedRequest",
+    "PixelBuffer",
+    "QwenVlPreprocessor",
     "RequestError",
     "__version__",
     "compute_mm_hash",
@@ -30,4 +37,5 @@ __all__ = [
     "merge_ec_transfer_params",
     "merge_kv_transfer_params",
     "parse_request",
+    "probe_image",
 ]
