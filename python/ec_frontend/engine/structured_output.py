@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
@@ -121,6 +120,8 @@ class GrammarCompiler:
     """Constraint specs -> :class:`CompiledGrammar`, cached; safe to call from threads."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        import llguidance.hf  # imports transformers: only where a tokenizer is wrapped
+
         eos = sorted(set(eos_token_ids)) or None
         self.tokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=vocab_size, eos_token=eos

@@ -14,15 +14,13 @@ constraint is compiled by the engine's library on the input-processing threads
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ec_frontend.engine.structured_output import (
-    CompiledGrammar,
-    GrammarCompiler,
-    StructuredOutputError,
-)
 from ec_frontend.entrypoints.errors import APIError
 from ec_frontend.entrypoints.tool_parsers import ToolPlan, plan_from, tool_call_grammar
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.structured_output import CompiledGrammar, GrammarCompiler
 
 
 class StructuredCompiler:
@@ -43,6 +41,10 @@ class StructuredCompiler:
             return self._compiler
 
     def _build(self, param: str) -> GrammarCompiler:
+        # Imported on first use: a server that never constrains (--mock-engine) does
+        # not load the library, torch or transformers.
+        from ec_frontend.engine.structured_output import GrammarCompiler
+
         processor = getattr(self._engine, "processor", None)
         tokenizer = getattr(processor, "tokenizer", None)
         vocab = self._vocab_size or getattr(processor, "vocab_size", None)
@@ -79,6 +81,8 @@ class StructuredCompiler:
                 param="tool_choice",
                 code="invalid_value",
             )
+        from ec_frontend.engine.structured_output import StructuredOutputError
+
         constraint = structured.get("constraint")
         try:
             if plan is not None and plan.forced:
