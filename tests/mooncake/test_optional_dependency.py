@@ -19,7 +19,8 @@ KV = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}
 
 
 def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "mooncake", None)
+    for name in ("mooncake", "mooncake.store", "mooncake.engine"):  # even if imported before
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ConfigError, match=r"ec-frontend\[mooncake\]"):
         create_ec_connector(ECTransferConfig.from_json(EC), ECConnectorRole.SCHEDULER)
     with pytest.raises(ConfigError, match=r"ec-frontend\[mooncake\]"):
