@@ -31,6 +31,7 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
+from ..helpers import processes
 from ..helpers.processes import Proc
 
 pytestmark = pytest.mark.slow
@@ -94,7 +95,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_server_starts_and_serves_a_greedy_request(root: Path, name: str) -> None:
+def test_server_starts_and_serves_a_greedy_request(
+    root: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Filling billions of dummy weights on a shared 2-core host can outlast the
+    # default wait for /health.
+    monkeypatch.setattr(processes, "STARTUP_TIMEOUT_S", 600.0)
     directory = checkpoint(root, name)
     args = ["--model", str(directory), "--load-format", "dummy", "--dtype", "bfloat16",
             "--device", "cpu", "--max-model-len", "256", "--max-num-batched-tokens", "256",
