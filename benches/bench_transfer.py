@@ -54,7 +54,6 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
 DTYPE = torch.bfloat16
 EC_ROWS, EC_HIDDEN = 1196, 3584  # 1280x720 -> 1288x728 -> 46x26 merged patches; 7B hidden
 RESULTS = Path(__file__).parent / "results" / "bench_transfer.json"
-os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
 
 #: User-space copies of the payload on each path (kernel socket copies not counted).
 COPIES = {

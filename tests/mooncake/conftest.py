@@ -9,7 +9,6 @@ interpreter exit for anything left.
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import socket
 import subprocess
@@ -132,7 +131,3 @@ def store_ec(role: str, master: Master, **extra: Any) -> dict[str, Any]:
 def mooncake_kv(role: str, **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "MooncakeConnector", "kv_role": role,
             "kv_connector_extra_config": {"protocol": "tcp", **extra}}  # fmt: skip
-
-
-# Keep glog (Mooncake's logger) to errors in every process the tests start.
-os.environ.setdefault("GLOG_minloglevel", "2")
