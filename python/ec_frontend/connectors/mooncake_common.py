@@ -53,6 +53,9 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 
 def import_mooncake(module: str) -> Any:
     """``mooncake.<module>``, or a :class:`ConfigError` that names the extra to install."""
+    # The PSM library of Mooncake's EFA build installs crash handlers that write a
+    # backtrace file into the working directory unless this is set.
+    os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
     try:
         return importlib.import_module(f"mooncake.{module}")
     except ImportError as exc:
