@@ -29,7 +29,7 @@ def test_defaults() -> None:
             2,
             "ec_role must be one of",
         ),
-        (["--model", "/nonexistent/dir"], 2, "not a checkpoint directory"),
+        (["--model", "/nonexistent/dir"], 2, "neither a checkpoint directory"),
         (["--max-fanout", "0"], 2, "--max-fanout must be > 0"),
         (["--max-image-pixels", "-1"], 2, "--max-image-pixels must be > 0"),
         (["--header-timeout", "0"], 2, "--header-timeout must be > 0"),
