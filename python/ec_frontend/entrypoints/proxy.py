@@ -356,6 +356,11 @@ class Proxy:
             raw = data.get("ec_transfer_params")
             params = self._verified_ec(url, raw)
             if isinstance(raw, dict) and raw:
+                if not params:
+                    # Every entry failed verification: the consumer would refuse a
+                    # reference to it, so the image goes downstream as it came.
+                    self.metrics.encoder_requests.inc(("unverified",))
+                    return None
                 self.metrics.encoder_requests.inc(("ok",))
                 return (params if isinstance(params, dict) else {}), _grid(raw)
             self.metrics.encoder_requests.inc(("no_params",))

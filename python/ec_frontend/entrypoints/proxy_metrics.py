@@ -16,7 +16,8 @@ class ProxyMetrics:
         )
         self.encoder_requests = Counter(
             PREFIX + "proxy_encoder_requests_total",
-            "Per-item encoder requests, by outcome (ok, failed, no_params, client_error).",
+            "Per-item encoder requests, by outcome"
+            " (ok, failed, no_params, unverified, client_error).",
             ("outcome",),
         )
         self.encoder_retries = Counter(
