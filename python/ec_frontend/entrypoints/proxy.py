@@ -60,7 +60,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from ec_frontend.connectors.transfer_trust import check_signature
+from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature
 from ec_frontend.entrypoints.proxy_metrics import ProxyMetrics
 
 log = logging.getLogger("ec_frontend.proxy")
@@ -356,9 +356,13 @@ class Proxy:
             raw = data.get("ec_transfer_params")
             params = self._verified_ec(url, raw)
             if isinstance(raw, dict) and raw:
-                if not params:
-                    # Every entry failed verification: the consumer would refuse a
-                    # reference to it, so the image goes downstream as it came.
+                if not params and any(
+                    isinstance(e, dict) and SIGNATURE_KEY in e for e in raw.values()
+                ):
+                    # Signed entries that fail verification here fail at the consumer
+                    # too, so a reference could not be loaded: the image goes downstream
+                    # as it came. (Unsigned entries come from connectors that find the
+                    # item by its key; the reference stands.)
                     self.metrics.encoder_requests.inc(("unverified",))
                     return None
                 self.metrics.encoder_requests.inc(("ok",))
