@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,30 @@ def test_vllm_reads_ours_and_we_read_vllms(master: Master, tmp_path: Path) -> No
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
     env.pop("VIRTUAL_ENV", None)
     driver = Path(__file__).with_name("vllm_store_driver.py")
-    run = subprocess.run([str(python), str(driver), str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=240)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    log = tmp_path / "driver.log"
+    with log.open("wb") as out:
+        run = subprocess.Popen([str(python), str(driver), str(tmp_path)], env=env,
+                               stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "result.json").exists():
+            assert run.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "vLLM's store client did not answer"
+            time.sleep(0.05)
+        _check_items(ours, json.loads((tmp_path / "result.json").read_text()), theirs)
+    finally:
+        (tmp_path / "done").touch()
+        try:
+            run.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0, log.read_text(errors="replace")[-4000:]
+
+
+def _check_items(ours: MooncakeStoreECConnector, result: dict, theirs: torch.Tensor) -> None:
+    """What vLLM's client saw of our item, and our read of the item it put (while its
+    client, whose segment may hold that item, is still up)."""
 
     assert result["read_key"] == ours.store.key(OURS)
     assert result["namespace"] == (

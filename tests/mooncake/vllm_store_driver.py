@@ -7,7 +7,7 @@ expected tensor) and the item to write (its id and a file with the tensor). The
 namespace, the key, the value's header and the I/O are all vLLM's code:
 ``build_embedding_namespace``, ``make_embedding_key``,
 ``create_mooncake_embedding_store_client`` (``load_tensors``, ``put_tensor``).
-Writes ``WORKDIR/result.json``.
+Writes ``WORKDIR/result.json``, then waits for ``WORKDIR/done`` before it closes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,7 +60,13 @@ def main() -> None:
         "write_key": write_key,
         "write_exists": client.exists(write_key),
     }
-    (work / "result.json").write_text(json.dumps(result))
+    (work / "result.tmp").write_text(json.dumps(result))
+    os.replace(work / "result.tmp", work / "result.json")
+    # The item put here may sit in this client's own segment, which leaves the store
+    # with the client: stay until the other side has read it (``WORKDIR/done``).
+    deadline = time.monotonic() + 120
+    while not (work / "done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     client.close()
 
 
