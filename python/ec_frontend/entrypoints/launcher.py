@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any
@@ -73,6 +75,9 @@ class ServeOptions:
     public_docs: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: API server (frontend) processes sharing the listening socket
+    #: (``entrypoints/api_servers.py``); 1 serves from this process.
+    api_server_count: int = 1
 
 
 class StartupError(Exception):
@@ -152,10 +157,29 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(opts: ServeOptions) -> int:
-    """Run the server until drained; the process exit code."""
+EngineFactory = Callable[[ServeOptions], tuple[Any, str, int]]
+
+
+def serve(
+    opts: ServeOptions,
+    *,
+    engine_factory: EngineFactory | None = None,
+    sockets: list[socket.socket] | None = None,
+    wrap_app: Callable[[Any], Any] | None = None,
+) -> int:
+    """Run the server until drained; the process exit code.
+
+    With ``api_server_count`` > 1 this process supervises a group of API server
+    processes instead (``entrypoints/api_servers.py``); each of them calls this
+    with its engine factory, the listening socket it inherited and a wrapper
+    around the app.
+    """
+    if opts.api_server_count > 1 and sockets is None:
+        from ec_frontend.entrypoints.api_servers import serve_group
+
+        return serve_group(opts)
     try:
-        engine, model_id, max_len = build_engine(opts)
+        engine, model_id, max_len = (engine_factory or build_engine)(opts)
     except (StartupError, ValueError, OSError, RuntimeError, ImportError) as exc:
         log.error("cannot start: %s", exc)
         return 2
@@ -183,6 +207,8 @@ def serve(opts: ServeOptions) -> int:
         tool_call_parser=opts.tool_call_parser,
     )
     app, core = build_app(engine, config)
+    if wrap_app is not None:
+        app = wrap_app(app)
     uv_config = uvicorn.Config(
         app,
         host=opts.host,
@@ -197,7 +223,7 @@ def serve(opts: ServeOptions) -> int:
     server = DrainingServer(uv_config, core, opts.drain_timeout_s)
     log.info("serving %s on http://%s:%d", ", ".join(names), opts.host, opts.port)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         core.serving.shutdown()
         engine.shutdown()
