@@ -15,6 +15,19 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     echo "$want" >"$stamp"
 fi
 
+# nasm assembles libjpeg-turbo's SIMD code (mozjpeg-sys feature nasm_simd): JPEG decode in
+# the native preprocessor is several times slower without it, and the build needs it.
+if ! command -v nasm >/dev/null 2>&1; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "setup: nasm is missing (apt-get install nasm as root); the JPEG decoder's SIMD needs it" >&2
+        exit 1
+    fi
+    echo "setup: apt-get install nasm" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends nasm >/dev/null \
+        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends nasm >/dev/null; }
+fi
+
 export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" PYO3_PYTHON="$PWD/.venv/bin/python"
 log=$(mktemp)
 if ! maturin develop --release -q >"$log" 2>&1; then
