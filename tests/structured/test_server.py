@@ -337,6 +337,9 @@ def test_responses_tools(client: openai.OpenAI) -> None:
             _check_call(call.name, call.arguments)
     named = {"type": "function", "name": "get_weather"}
     args = ""
+    deltas = 0
+    added = None
+    arguments_done = None
     done = None
     with client.responses.stream(
         model=MODEL,
@@ -346,13 +349,23 @@ def test_responses_tools(client: openai.OpenAI) -> None:
         tool_choice=named,  # type: ignore[arg-type]
     ) as stream:
         for event in stream:
+            if event.type == "response.output_item.added":
+                added = event
             if event.type == "response.function_call_arguments.delta":
+                assert added is not None and event.item_id == added.item.id
+                assert event.output_index == added.output_index
                 args += event.delta
+                deltas += 1
+            if event.type == "response.function_call_arguments.done":
+                arguments_done = event.arguments
             if event.type == "response.completed":
                 done = event.response
-    assert done is not None
+    assert done is not None and added is not None
     (call,) = [item for item in done.output if item.type == "function_call"]
-    assert call.name == "get_weather" and call.arguments == args
+    assert call.name == "get_weather" and call.arguments == args == arguments_done
+    assert call.id == added.item.id and added.item.type == "function_call"
+    # The arguments arrived as the model wrote them, not in one piece at the end.
+    assert deltas > 3
     _check_call("get_weather", args)
 
 

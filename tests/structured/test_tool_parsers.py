@@ -11,6 +11,7 @@ from ec_frontend.entrypoints.tool_parsers import (
     ChatToolStream,
     HermesParser,
     HermesStream,
+    ResponseToolItems,
     ToolPlan,
     chat_message,
     plan_from,
@@ -213,3 +214,106 @@ def test_tool_call_grammar_names_every_tool_or_the_chosen_one() -> None:
     assert one.startswith("start: call\n")
     named = tool_call_grammar(ToolPlan(PLAN.tools, "function", "add"))
     assert '"add"' in named and "get_weather" not in named
+
+
+def _responses_replay(text: str, size: int) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """Feed ``text`` to :class:`ResponseToolItems` in pieces of ``size`` characters and
+    rebuild the output items from the events alone, as a client does; checks each
+    event's ``output_index``/``item_id`` against the items announced so far. Returns
+    the rebuilt items and the number of argument deltas per output index."""
+    items = ResponseToolItems("req")
+    built: list[dict[str, Any]] = []
+    done: set[int] = set()
+    deltas: dict[int, int] = {}
+    pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+    events = []
+    for n, piece in enumerate(pieces):
+        events += items.feed(piece, finished=n == len(pieces) - 1)
+    for kind, payload in events:
+        index = payload["output_index"]
+        if kind == "response.output_item.added":
+            assert index == len(built) and payload["item"]["status"] == "in_progress"
+            built.append(json.loads(json.dumps(payload["item"])))
+            continue
+        item = built[index]
+        assert index not in done, f"{kind} after the item was done"
+        if kind != "response.output_item.done":
+            assert payload["item_id"] == item["id"]
+        if kind == "response.content_part.added":
+            item["content"].append(payload["part"])
+        elif kind == "response.output_text.delta":
+            item["content"][payload["content_index"]]["text"] += payload["delta"]
+        elif kind == "response.function_call_arguments.delta":
+            item["arguments"] += payload["delta"]
+            deltas[index] = deltas.get(index, 0) + 1
+        elif kind == "response.function_call_arguments.done":
+            assert payload["arguments"] == item["arguments"]
+        elif kind == "response.output_text.done":
+            assert payload["text"] == item["content"][0]["text"]
+        elif kind == "response.output_item.done":
+            assert {**item, "status": "completed"} == payload["item"]
+            built[index] = payload["item"]
+            done.add(index)
+    assert done == set(range(len(built))), "every item is done at the end"
+    assert built == items.items
+    return built, deltas
+
+
+def _shape(items: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """``("message", text)`` or ``(name, arguments: parsed, else the raw text)``."""
+    out: list[tuple[str, Any]] = []
+    for i in items:
+        if i["type"] == "message":
+            out.append(("message", i["content"][0]["text"]))
+            continue
+        try:
+            out.append((i["name"], json.loads(i["arguments"])))
+        except ValueError:
+            out.append((i["name"], i["arguments"]))
+    return out
+
+
+BROKEN = '<tool_call>\n{"name": "broken", "arguments": {"x": }\n</tool_call>'
+
+# (output, items when fed whole, items when streamed character by character if they differ)
+RESPONSES_CASES: list[tuple[str, list[tuple[str, Any]], list[tuple[str, Any]] | None]] = [
+    ("Just text, no tools.", [("message", "Just text, no tools.")], None),
+    (" \n", [("message", " \n")], None),
+    ("", [("message", "")], None),
+    (
+        "Let me check.\n" + WEATHER + "\n" + ADD + "\nDone. ",
+        [
+            ("message", "Let me check."),
+            ("get_weather", {"city": "Paris", "unit": "celsius"}),
+            ("add", {"a": 1, "b": {"c": [2, "}"]}}),
+            ("message", "Done."),
+        ],
+        None,
+    ),
+    # A broken call is text when read whole; streamed, its header went out before
+    # the JSON broke, so it stays the call that was sent.
+    (
+        BROKEN + "\n" + ADD,
+        [("message", BROKEN), ("add", {"a": 1, "b": {"c": [2, "}"]}})],
+        [("broken", '{"x":'), ("add", {"a": 1, "b": {"c": [2, "}"]}})],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "whole", "streamed"), RESPONSES_CASES)
+@pytest.mark.parametrize("size", [1, 1 << 20])
+def test_responses_items_stream_as_written(
+    text: str,
+    whole: list[tuple[str, Any]],
+    streamed: list[tuple[str, Any]] | None,
+    size: int,
+) -> None:
+    """Streamed in pieces or fed whole, the Responses items are the text runs and the
+    calls in order; a call's arguments arrive in several deltas when the text does."""
+    built, deltas = _responses_replay(text, size)
+    assert _shape(built) == (whole if size > 1 or streamed is None else streamed)
+    calls = [i for i, item in enumerate(built) if item["type"] == "function_call"]
+    assert all(built[i]["call_id"].startswith("call_") for i in calls)
+    if size == 1:
+        assert all(deltas[i] > 3 for i in calls)
+    assert len({item["id"] for item in built}) == len(built)

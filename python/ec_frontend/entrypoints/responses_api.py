@@ -6,6 +6,10 @@ Non-stream: a ``response`` object. Stream: named SSE events
 step that generated tokens, with ``""`` when their text is empty: see
 ``docs/compatibility.md``), ``response.output_text.done``, ``response.content_part.done``,
 ``response.output_item.done`` and ``response.completed``, then ``data: [DONE]``.
+With tools, the text runs and calls come as their own items, in the order the model
+wrote them: a call's ``response.output_item.added`` (``function_call``), its
+arguments in ``response.function_call_arguments.delta`` pieces, then ``.done`` and
+``response.output_item.done``, each with its ``output_index`` and ``item_id``.
 The ``response`` objects carry ``kv_transfer_params`` / ``ec_transfer_params``
 at the top level (``null`` until known); the completed one has the final values.
 """
@@ -23,7 +27,7 @@ from ec_frontend.entrypoints.errors import engine_failure, error_body
 from ec_frontend.entrypoints.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.openai_format import chat_logprobs
 from ec_frontend.entrypoints.serving import Serving
-from ec_frontend.entrypoints.tool_parsers import response_function_calls
+from ec_frontend.entrypoints.tool_parsers import ResponseToolItems, output_text_part
 
 
 def _usage(choice: Choice) -> dict[str, Any]:
@@ -40,7 +44,7 @@ def _usage(choice: Choice) -> dict[str, Any]:
 def _message(
     msg_id: str, text: str, status: str, logprobs: list[Any] | None = None
 ) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_part(text, logprobs)]
+    content = [] if status == "in_progress" else [output_text_part(text, logprobs)]
     return {
         "type": "message",
         "id": msg_id,
@@ -48,10 +52,6 @@ def _message(
         "role": "assistant",
         "content": content,
     }
-
-
-def _part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _logprobs(ctx: RequestContext, logprobs: list[Any] | None) -> list[Any]:
@@ -118,13 +118,14 @@ def _error_payload(message: str) -> dict[str, Any]:
 
 
 def _output(ctx: RequestContext, choice: Choice) -> list[dict[str, Any]]:
-    """The output items: the message, or with tools the message (if any text is
-    left) and one ``function_call`` item per call."""
-    msg_id = f"msg_{ctx.request_id}"
+    """The output items: the message, or with tools the text runs and the calls in
+    the order written (built as a stream builds them)."""
     if choice.tools is None:
+        msg_id = f"msg_{ctx.request_id}"
         return [_message(msg_id, choice.text, "completed", _logprobs(ctx, choice.logprobs))]
-    content, calls = response_function_calls(choice.tools, choice.text)
-    return ([_message(msg_id, content, "completed")] if content else []) + calls
+    items = ResponseToolItems(ctx.request_id)
+    items.feed(choice.text, finished=True)
+    return items.items
 
 
 def response_body(
@@ -171,7 +172,7 @@ async def response_stream(
         "response.output_item.added",
         {"output_index": 0, "item": _message(msg_id, "", "in_progress")},
     )
-    yield event("response.content_part.added", {**loc, "part": _part("")})
+    yield event("response.content_part.added", {**loc, "part": output_text_part("")})
     final: Choice | None = None
     async for c, out in serving.stream(jobs, ctx.started):
         if c.error is not None:
@@ -187,7 +188,9 @@ async def response_stream(
         return
     logprobs = _logprobs(ctx, final.logprobs)
     yield event("response.output_text.done", {**loc, "text": final.text, "logprobs": logprobs})
-    yield event("response.content_part.done", {**loc, "part": _part(final.text, logprobs)})
+    yield event(
+        "response.content_part.done", {**loc, "part": output_text_part(final.text, logprobs)}
+    )
     item = _message(msg_id, final.text, "completed", logprobs)
     yield event("response.output_item.done", {"output_index": 0, "item": item})
     yield _completed(ctx, parsed, resp_id, [item], final, event)
@@ -218,38 +221,20 @@ async def _tool_events(
     resp_id: str,
     event: Any,
 ) -> AsyncIterator[bytes]:
-    """With tools: the output is read whole, then each item's events are sent (the
-    message's text, each call's arguments in one delta)."""
+    """With tools: each step's text is parsed as it arrives; a text run streams as a
+    message, a call as a ``function_call`` item whose arguments come in pieces."""
+    items = ResponseToolItems(ctx.request_id)
     final: Choice | None = None
     async for c, out in serving.stream(jobs, ctx.started):
         if c.error is not None:
             yield event("error", _error_payload(c.error))
             yield DONE
             return
+        for kind, payload in items.feed(out.text, out.finished):
+            yield event(kind, payload)
         if out.finished:
             final = c
     if final is None:
         return
-    items = _output(ctx, final)
-    for index, item in enumerate(items):
-        pending = {**item, "status": "in_progress"}
-        if item["type"] == "message":
-            pending["content"] = []
-        else:
-            pending["arguments"] = ""
-        yield event("response.output_item.added", {"output_index": index, "item": pending})
-        loc = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            part = {**loc, "content_index": 0}
-            yield event("response.content_part.added", {**part, "part": _part("")})
-            yield event("response.output_text.delta", {**part, "delta": text, "logprobs": []})
-            yield event("response.output_text.done", {**part, "text": text, "logprobs": []})
-            yield event("response.content_part.done", {**part, "part": _part(text)})
-        else:
-            args = item["arguments"]
-            yield event("response.function_call_arguments.delta", {**loc, "delta": args})
-            yield event("response.function_call_arguments.done", {**loc, "arguments": args})
-        yield event("response.output_item.done", {"output_index": index, "item": item})
-    yield _completed(ctx, parsed, resp_id, items, final, event)
+    yield _completed(ctx, parsed, resp_id, items.items, final, event)
     yield DONE

@@ -411,18 +411,151 @@ class ChatToolStream:
         return _finish_reason(self.plan, finish_reason, bool(self.parser.calls))
 
 
-def response_function_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Responses API: the content left and one ``function_call`` output item per call."""
-    content, calls = HermesParser().extract(text)
-    items = [
-        {
-            "type": "function_call",
-            "id": f"fc_{call.id.removeprefix('chatcmpl-tool-')}",
-            "call_id": f"call_{call.id.removeprefix('chatcmpl-tool-')}",
-            "name": call.name,
-            "arguments": call.arguments,
-            "status": "completed",
-        }
-        for call in calls
-    ]
-    return content, items
+class ResponseToolItems:
+    """Responses API: the output items of a request with tools, built as its text
+    arrives, with the events that describe each change.
+
+    Text runs become ``message`` items and calls ``function_call`` items, in the
+    order the model wrote them; a call's arguments are sent in pieces as the chat
+    stream sends them (``response.function_call_arguments.delta``). Whitespace
+    around calls is dropped (held back until it is known whether text follows);
+    an output without calls is one message holding the whole text. A non-stream
+    response feeds its whole text once, so both forms give the same items.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self.parser = HermesStream()
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._held = ""
+        self._called = False
+
+    def feed(self, text: str, finished: bool) -> list[tuple[str, dict[str, Any]]]:
+        """``(event type, payload)`` pairs for ``text``; ``finished`` closes the output."""
+        parts = self.parser.feed(text)
+        if finished:
+            parts += self.parser.finish()
+        events: list[tuple[str, dict[str, Any]]] = []
+        for part in parts:
+            if "content" in part:
+                events += self._text(part["content"])
+                continue
+            for entry in part["tool_calls"]:
+                events += self._call(entry)
+        if finished:
+            if not self._called and (self._held or not self.items):
+                text, self._held = self._held, ""
+                events += self._message_delta(text, force=True)
+            events += self._close()
+        return events
+
+    def _loc(self, item: dict[str, Any]) -> dict[str, Any]:
+        index = next(i for i, x in enumerate(self.items) if x is item)
+        return {"item_id": item["id"], "output_index": index}
+
+    def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        if self._open is not None and self._open["type"] != "message":
+            events += self._close()
+        full = self._held + text
+        body = full.rstrip()
+        self._held = full[len(body) :]
+        if self._open is None and self._called:
+            body = body.lstrip()
+        return events + self._message_delta(body)
+
+    def _message_delta(self, text: str, *, force: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        if not text and not force:
+            return events
+        if self._open is None:
+            n = sum(item["type"] == "message" for item in self.items)
+            msg_id = f"msg_{self._request_id}" + (f"_{n}" if n else "")
+            item = {
+                "type": "message",
+                "id": msg_id,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            self._open = item
+            self.items.append(item)
+            loc = self._loc(item)
+            events.append(
+                (
+                    "response.output_item.added",
+                    {"output_index": loc["output_index"], "item": dict(item)},
+                )
+            )
+            item["content"] = [output_text_part("")]
+            events.append(
+                (
+                    "response.content_part.added",
+                    {**loc, "content_index": 0, "part": output_text_part("")},
+                )
+            )
+        if text:
+            self._open["content"][0]["text"] += text
+            loc = {**self._loc(self._open), "content_index": 0}
+            events.append(("response.output_text.delta", {**loc, "delta": text, "logprobs": []}))
+        return events
+
+    def _call(self, entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        if "id" in entry:
+            events += self._close()
+            self._held = ""
+            self._called = True
+            suffix = entry["id"].removeprefix("chatcmpl-tool-")
+            item = {
+                "type": "function_call",
+                "id": f"fc_{suffix}",
+                "call_id": f"call_{suffix}",
+                "name": entry["function"]["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
+            self._open = item
+            self.items.append(item)
+            events.append(
+                (
+                    "response.output_item.added",
+                    {"output_index": len(self.items) - 1, "item": dict(item)},
+                )
+            )
+        args = entry["function"]["arguments"]
+        if args and self._open is not None:
+            self._open["arguments"] += args
+            events.append(
+                ("response.function_call_arguments.delta", {**self._loc(self._open), "delta": args})
+            )
+        return events
+
+    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        loc = self._loc(item)
+        item["status"] = "completed"
+        events: list[tuple[str, dict[str, Any]]] = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            at = {**loc, "content_index": 0}
+            events.append(
+                ("response.output_text.done", {**at, "text": part["text"], "logprobs": []})
+            )
+            events.append(("response.content_part.done", {**at, "part": dict(part)}))
+        else:
+            events.append(
+                ("response.function_call_arguments.done", {**loc, "arguments": item["arguments"]})
+            )
+        events.append(
+            ("response.output_item.done", {"output_index": loc["output_index"], "item": dict(item)})
+        )
+        return events
+
+
+def output_text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """A Responses ``output_text`` content part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
