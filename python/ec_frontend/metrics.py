@@ -5,6 +5,14 @@ histograms) and renders it together with the engine's own counters and gauges
 (``AsyncEngine.stats()``) on ``/metrics``. Every metric name starts with
 ``ec_frontend_``. Updates happen on the server's event loop, so no locking is
 needed; rendering reads a consistent-enough snapshot.
+
+Several API server processes in front of one engine (``--api-server-count``)
+share their values: after :func:`share_values`, every counter increment,
+histogram observation and in-flight change of this process is also written to
+its own memory-mapped file in a directory the group shares
+(:class:`SharedValues`), and :func:`render` sums the files of the whole group,
+so a scrape of any member reports the same series. The engine's statistics are
+not summed: the one engine reports them once.
 """
 
 from __future__ import annotations
@@ -12,8 +20,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import mmap
+import os
+import struct
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import orjson
 
 PREFIX = "ec_frontend_"
 
@@ -63,6 +77,128 @@ def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
     return "{" + inner + "}"
 
 
+#: Summed values of a group of processes: metric name -> label values -> value.
+Snapshot = dict[str, dict[tuple[str, ...], float]]
+
+_HEADER = struct.Struct("<Q")  # bytes in use, header included
+_KEY_LEN = struct.Struct("<I")
+_VALUE = struct.Struct("<d")
+_SUFFIX = ".metrics"
+
+
+class SharedValues:
+    """One process's metric values in a memory-mapped file that other processes read.
+
+    Only the owning process writes its file. An entry is a key (JSON
+    ``[name, *labels]``), padded to 8 bytes, and a float64 that is updated in
+    place; a new entry is written before the header's length covers it, so a
+    reader never sees a half-written key. Readers sum the files of a directory
+    (:func:`read_shared`).
+    """
+
+    def __init__(self, directory: str, name: str, capacity: int = 1 << 16) -> None:
+        self.path = os.path.join(directory, name + _SUFFIX)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self._fd, capacity)
+        self._mm = mmap.mmap(self._fd, capacity)
+        self._used = _HEADER.size
+        _HEADER.pack_into(self._mm, 0, self._used)
+        self._offsets: dict[tuple[str, tuple[str, ...]], int] = {}
+        # Preprocessing threads count images while the event loop counts requests.
+        self._lock = threading.Lock()
+
+    def _offset(self, name: str, labels: tuple[str, ...]) -> int:
+        key = (name, labels)
+        offset = self._offsets.get(key)
+        if offset is None:
+            raw = orjson.dumps([name, *labels])
+            start = self._used
+            offset = start + _KEY_LEN.size + len(raw)
+            offset += -offset % 8
+            end = offset + _VALUE.size
+            if end > len(self._mm):
+                self._mm.resize(max(2 * len(self._mm), end))
+            _KEY_LEN.pack_into(self._mm, start, len(raw))
+            self._mm[start + _KEY_LEN.size : start + _KEY_LEN.size + len(raw)] = raw
+            _VALUE.pack_into(self._mm, offset, 0.0)
+            self._used = end
+            _HEADER.pack_into(self._mm, 0, end)
+            self._offsets[key] = offset
+        return offset
+
+    def add(self, name: str, labels: tuple[str, ...], amount: float) -> None:
+        with self._lock:
+            offset = self._offset(name, labels)
+            _VALUE.pack_into(self._mm, offset, _VALUE.unpack_from(self._mm, offset)[0] + amount)
+
+    def set(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        with self._lock:
+            _VALUE.pack_into(self._mm, self._offset(name, labels), value)
+
+    def close(self) -> None:
+        self._mm.close()
+        os.close(self._fd)
+
+
+def read_values(data: bytes, into: Snapshot) -> None:
+    """Add the entries of one :class:`SharedValues` file's bytes to ``into``."""
+    if len(data) < _HEADER.size:
+        return
+    end = min(_HEADER.unpack_from(data, 0)[0], len(data))
+    pos = _HEADER.size
+    while pos + _KEY_LEN.size <= end:
+        (size,) = _KEY_LEN.unpack_from(data, pos)
+        key_end = pos + _KEY_LEN.size + size
+        offset = key_end + (-key_end % 8)
+        if offset + _VALUE.size > end:
+            break
+        name, *labels = orjson.loads(data[pos + _KEY_LEN.size : key_end])
+        series = into.setdefault(name, {})
+        label_key = tuple(labels)
+        series[label_key] = series.get(label_key, 0.0) + _VALUE.unpack_from(data, offset)[0]
+        pos = offset + _VALUE.size
+
+
+def read_shared(directory: str) -> Snapshot:
+    """The summed values of every process that writes under ``directory``."""
+    out: Snapshot = {}
+    for entry in sorted(os.listdir(directory)):
+        if entry.endswith(_SUFFIX):
+            try:
+                with open(os.path.join(directory, entry), "rb") as f:
+                    read_values(f.read(), out)
+            except FileNotFoundError:
+                continue
+    return out
+
+
+class _Sharing:
+    """This process's :class:`SharedValues`, when it belongs to a group."""
+
+    values: SharedValues | None = None
+    directory: str | None = None
+
+
+_SHARING = _Sharing()
+
+
+def share_values(directory: str, name: str) -> SharedValues:
+    """Write this process's metric values under ``directory`` from now on.
+
+    Call it before any metric is updated (values counted earlier stay local).
+    """
+    _SHARING.values = SharedValues(directory, name)
+    _SHARING.directory = directory
+    return _SHARING.values
+
+
+def shared_snapshot() -> Snapshot | None:
+    """The group's summed values, or ``None`` when this process shares none."""
+    if _SHARING.directory is None:
+        return None
+    return read_shared(_SHARING.directory)
+
+
 class Counter:
     """A monotonically increasing counter, optionally labelled."""
 
@@ -74,16 +210,21 @@ class Counter:
 
     def inc(self, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
         self.values[labels] = self.values.get(labels, 0.0) + amount
+        shared = _SHARING.values
+        if shared is not None:
+            shared.add(self.name, labels, amount)
 
     def get(self, labels: tuple[str, ...] = ()) -> float:
         return self.values.get(labels, 0.0)
 
-    def render(self) -> Iterable[str]:
+    def render(self, snapshot: Snapshot | None = None) -> Iterable[str]:
+        """The exposition lines: this process's values, or the group's from ``snapshot``."""
+        values = self.values if snapshot is None else snapshot.get(self.name, {})
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} counter"
-        if not self.labelnames and not self.values:
+        if not self.labelnames and not values:
             yield f"{self.name} 0"
-        for labels, value in sorted(self.values.items()):
+        for labels, value in sorted(values.items()):
             yield f"{self.name}{_labels(self.labelnames, labels)} {_fmt(value)}"
 
 
@@ -101,20 +242,31 @@ class Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        index = bisect.bisect_left(self.bounds, value)
+        self.counts[index] += 1
         self.sum += value
         self.count += 1
+        shared = _SHARING.values
+        if shared is not None:
+            shared.add(self.name + "_bucket", (str(index),), 1.0)
+            shared.add(self.name + "_sum", (), value)
 
-    def render(self) -> Iterable[str]:
+    def render(self, snapshot: Snapshot | None = None) -> Iterable[str]:
+        """The exposition lines: this process's values, or the group's from ``snapshot``."""
+        counts, total = self.counts, self.sum
+        if snapshot is not None:
+            buckets = snapshot.get(self.name + "_bucket", {})
+            counts = [int(buckets.get((str(i),), 0)) for i in range(len(self.counts))]
+            total = snapshot.get(self.name + "_sum", {}).get((), 0.0)
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} histogram"
         running = 0
-        for bound, n in zip(self.bounds, self.counts, strict=False):
+        for bound, n in zip(self.bounds, counts, strict=False):
             running += n
             yield f'{self.name}_bucket{{le="{_fmt(bound)}"}} {running}'
-        yield f'{self.name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{self.name}_sum {_fmt(self.sum)}"
-        yield f"{self.name}_count {self.count}"
+        yield f'{self.name}_bucket{{le="+Inf"}} {sum(counts)}'
+        yield f"{self.name}_sum {_fmt(total)}"
+        yield f"{self.name}_count {sum(counts)}"
 
 
 def refused_connections() -> Counter:
@@ -133,6 +285,9 @@ IMAGES_PREPROCESSED = Counter(
     PREFIX + "images_preprocessed_total",
     "Images decoded and preprocessed into pixel values by this instance.",
 )
+
+
+_IN_FLIGHT = PREFIX + "http_requests_in_flight"
 
 
 class ServerMetrics:
@@ -161,19 +316,35 @@ class ServerMetrics:
             "Engine requests aborted because the client went away or the server drained.",
         )
         self.refused = refused_connections()
-        self.in_flight = 0
+        self._in_flight = 0
 
-    def render(self) -> Iterable[str]:
-        yield from self.requests.render()
-        yield from self.aborted.render()
-        yield from self.refused.render()
-        yield from IMAGES_PREPROCESSED.render()
-        yield f"# HELP {PREFIX}http_requests_in_flight Generation requests being served."
-        yield f"# TYPE {PREFIX}http_requests_in_flight gauge"
-        yield f"{PREFIX}http_requests_in_flight {self.in_flight}"
-        yield from self.ttft.render()
-        yield from self.itl.render()
-        yield from self.e2e.render()
+    @property
+    def in_flight(self) -> int:
+        """Generation requests this process is serving (the drain waits for 0)."""
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self._in_flight = value
+        shared = _SHARING.values
+        if shared is not None:
+            shared.set(_IN_FLIGHT, (), value)
+
+    def render(self, snapshot: Snapshot | None = None) -> Iterable[str]:
+        """This process's series, or the group's summed from ``snapshot``."""
+        in_flight = self._in_flight
+        if snapshot is not None:
+            in_flight = int(snapshot.get(_IN_FLIGHT, {}).get((), 0))
+        yield from self.requests.render(snapshot)
+        yield from self.aborted.render(snapshot)
+        yield from self.refused.render(snapshot)
+        yield from IMAGES_PREPROCESSED.render(snapshot)
+        yield f"# HELP {_IN_FLIGHT} Generation requests being served."
+        yield f"# TYPE {_IN_FLIGHT} gauge"
+        yield f"{_IN_FLIGHT} {in_flight}"
+        yield from self.ttft.render(snapshot)
+        yield from self.itl.render(snapshot)
+        yield from self.e2e.render(snapshot)
 
 
 def stats_items(stats: Any) -> list[tuple[str, float]]:
@@ -206,8 +377,8 @@ def exposition(lines: Iterable[str]) -> str:
 
 
 def render(server: ServerMetrics, engine_stats: Any | None) -> str:
-    """The full exposition text for ``/metrics``."""
-    lines = list(server.render())
+    """The full exposition text for ``/metrics`` (the group's, when values are shared)."""
+    lines = list(server.render(shared_snapshot()))
     if engine_stats is not None:
         lines.extend(render_engine_stats(engine_stats))
     return exposition(lines)

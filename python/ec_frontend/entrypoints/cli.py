@@ -179,6 +179,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="how tool calls are written by the model: hermes (the Qwen family's "
         "<tool_call> format)",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port and one engine; /metrics on any of "
+        "them reports the whole group (default 1: this process serves)",
+    )
     add_limit_args(p)
     add_http_args(p)
 
@@ -232,7 +239,7 @@ _POSITIVE = (
     "max_model_len", "max_num_seqs", "max_body_bytes", "port", "max_media_items",
     "max_image_pixels", "max_request_pixels", "max_processor_pixels", "max_prompt_chars",
     "max_fanout", "max_engine_requests", "max_header_bytes", "max_url_bytes",
-    "header_timeout", "body_timeout", "keep_alive_timeout",
+    "header_timeout", "body_timeout", "keep_alive_timeout", "api_server_count",
 )  # fmt: skip
 #: Flags that may be 0 (0 meaning "derived") but not negative.
 _NON_NEGATIVE = ("processing_workers", "max_processing_queue", "max_connections", "drain_timeout")
@@ -303,6 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
         public_docs=args.public_docs,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        api_server_count=args.api_server_count,
     )
     return serve(options)
 
