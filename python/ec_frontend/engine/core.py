@@ -199,6 +199,14 @@ class EngineCore:
         for co in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
             self._immediate.append(self._to_request_output(co))
 
+    def stop(self, request_id: str, stop_reason: str) -> None:
+        """Finish a request as stopped by ``stop_reason`` (a stop string its client found
+        in the text); its final output comes with the next :meth:`step`."""
+        for co in self.scheduler.finish_requests(
+            request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_reason
+        ):
+            self._immediate.append(self._to_request_output(co))
+
     def has_work(self) -> bool:
         return bool(self._immediate) or self.scheduler.has_pending_work()
 
