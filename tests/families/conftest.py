@@ -36,6 +36,9 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
 )
 
 SEED = 1234
@@ -73,6 +76,13 @@ TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2
 TINY_QWEN2_5_VISION = {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                        "window_size": 56, "fullatt_block_indexes": [1, 3]}  # fmt: skip
 TINY_QWEN2_VISION = {"depth": 2, "embed_dim": 32, "mlp_ratio": 2, "num_heads": 2}
+#: Qwen3-VL's tower: 16-pixel patches, a learned 8x8 position grid, DeepStack features
+#: from blocks 1 and 2 (added after decoder layers 0 and 1 of 3).
+TINY_QWEN3_VISION = {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                     "patch_size": 16, "num_position_embeddings": 64,
+                     "deepstack_visual_indexes": [1, 2]}  # fmt: skip
+#: Qwen3's decoder has its own head_dim (here twice hidden_size / heads).
+TINY_QWEN3_TEXT = {**TINY_TEXT, "num_hidden_layers": 3, "head_dim": 32}
 TINY_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
              "num_attention_heads": 2}  # fmt: skip
 
@@ -80,7 +90,7 @@ TINY_CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
 def mrope_section(text: dict[str, Any]) -> list[int]:
     """Qwen's split of the rotary half-dimension into temporal / height / width
     (``[16, 24, 24]`` at head_dim 128)."""
-    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
     temporal = half // 4
     side = (half - temporal) // 2
     return [half - 2 * side, side, side]
@@ -145,6 +155,38 @@ def write_qwen2_5_vl(
     )
 
 
+def write_qwen3_vl(
+    directory: Path,
+    text: dict[str, Any] = TINY_QWEN3_TEXT,
+    vision: dict[str, Any] = TINY_QWEN3_VISION,
+) -> Path:
+    """A Qwen3-VL checkpoint (tiny by default: 3 decoder layers, hidden 64, head_dim 32,
+    GQA 4/2, a 4-block tower on 16-pixel patches with two DeepStack mergers)."""
+    vision = {"out_hidden_size": text["hidden_size"], **vision}
+    return _write_qwen(
+        directory,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        ImageOnlyQwen3VLProcessor,
+        text=text,
+        vision=vision,
+        image_processor=qwen3_image_processor(),
+    )
+
+
+def qwen3_image_processor() -> Qwen2VLImageProcessor:
+    """Qwen3-VL's image rule (Qwen2-VL's, on 16-pixel patches normalised to [-1, 1])."""
+    return Qwen2VLImageProcessor(
+        min_pixels=builtin.MIN_PIXELS,
+        max_pixels=builtin.MAX_PIXELS,
+        patch_size=16,
+        temporal_patch_size=builtin.TEMPORAL_PATCH_SIZE,
+        merge_size=builtin.SPATIAL_MERGE_SIZE,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+
+
 def write_qwen2_vl(
     directory: Path, text: dict[str, Any] = TINY_TEXT, vision: dict[str, Any] = TINY_QWEN2_VISION
 ) -> Path:
@@ -168,6 +210,7 @@ def _write_qwen(
     *,
     text: dict[str, Any],
     vision: dict[str, Any],
+    image_processor: Qwen2VLImageProcessor | None = None,
 ) -> Path:
     tok = tokenizer()
     ids = special_ids(tok)
@@ -179,7 +222,9 @@ def _write_qwen(
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(directory)
     processor = processor_class(
-        image_processor=qwen_image_processor(), tokenizer=tok, chat_template=builtin.CHAT_TEMPLATE
+        image_processor=image_processor or qwen_image_processor(),
+        tokenizer=tok,
+        chat_template=builtin.CHAT_TEMPLATE,
     )
     save_processor(processor, directory, processor_class.__mro__[1].__name__)
     return directory
@@ -202,8 +247,16 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
         return ["image_processor", "tokenizer"]
 
 
-def load_hf_processor(directory: Path) -> ImageOnlyQwen2_5_VLProcessor:
-    return ImageOnlyQwen2_5_VLProcessor(
+class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+    """Qwen3-VL's processor without its video processor (as above)."""
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+
+def load_hf_processor(directory: Path, processor_class: type = ImageOnlyQwen2_5_VLProcessor) -> Any:
+    return processor_class(
         image_processor=Qwen2VLImageProcessor.from_pretrained(directory),
         tokenizer=PreTrainedTokenizerFast.from_pretrained(directory),
         chat_template=(directory / "chat_template.jinja").read_text(encoding="utf-8"),
@@ -306,6 +359,11 @@ def load_hf_llava_processor(directory: Path) -> LlavaProcessor:
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
 
 
 @pytest.fixture(scope="session")

@@ -170,7 +170,7 @@ class ModelRunner:
 
     def _accept_loaded(self, mm_hash: str) -> bool:
         tensor = self.encoder_cache[mm_hash]
-        if tensor.dim() != 2 or tensor.shape[1] != self.model.hidden_size:
+        if tensor.dim() != 2 or tensor.shape[1] != self.model.encoder_output_size:
             logger.warning("loaded encoder output %s has shape %s", mm_hash, tuple(tensor.shape))
             del self.encoder_cache[mm_hash]
             return False

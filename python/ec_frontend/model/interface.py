@@ -69,6 +69,15 @@ class VisionLanguageModel(ABC):
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def encoder_output_size(self) -> int:
+        """Columns of one encoder output row: what :meth:`encode_images` returns per
+        placeholder token, what the EC connectors carry, and the width of
+        :meth:`embed_tokens` and of ``forward``'s input. ``hidden_size`` unless the
+        family feeds more per image token to the decoder (Qwen3-VL's DeepStack
+        features ride in the same row, after the input embedding)."""
+        return self.hidden_size
+
     @abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
         """Layout of the KV cache this model reads and writes."""
@@ -81,12 +90,13 @@ class VisionLanguageModel(ABC):
 
         ``pixel_values`` are the processor's patches of all images concatenated;
         ``image_grid_thw`` is ``[num_images, 3]``. Returns one
-        ``[num_placeholder_tokens, hidden_size]`` tensor per image, in order.
+        ``[num_placeholder_tokens, encoder_output_size]`` tensor per image, in order.
         """
 
     @abstractmethod
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` token ids -> ``[T, hidden_size]`` input embeddings."""
+        """``[T]`` token ids -> ``[T, encoder_output_size]`` input embeddings (columns past
+        ``hidden_size``, if any, are zero: image rows get theirs from the encoder)."""
 
     @abstractmethod
     def forward(

@@ -38,7 +38,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
 from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.processor import InputProcessor
-from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig
+from ec_frontend.model.qwen2_text import TextModelConfig
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, family_for
 
@@ -212,7 +212,7 @@ def load_model(
         if load_vision:
             parts["vision"] = family.build_vision(config)
         if load_language:
-            parts["language"] = Qwen2TextModel(text_cfg)
+            parts["language"] = family.build_language(text_cfg)
     if load_format == "dummy":
         gen = torch.Generator().manual_seed(0)
         for module in parts.values():

@@ -116,8 +116,11 @@ class Qwen2VLModel(VisionLanguageModel):
             pixel_values.to(device=self.device, dtype=self.dtype),
             grid_thw=grid.to(self.device),
         )
-        merged = out.pooler_output
-        return list(torch.split(merged, (patches // merge**2).tolist()))
+        return list(torch.split(self._encoder_rows(out), (patches // merge**2).tolist()))
+
+    def _encoder_rows(self, out: Any) -> torch.Tensor:
+        """The ``[tokens, encoder_output_size]`` rows of all images from the tower's output."""
+        return out.pooler_output
 
     @torch.no_grad()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -126,7 +129,9 @@ class Qwen2VLModel(VisionLanguageModel):
             int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size
         ):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        return language.embed_tokens(input_ids.to(self.device))
+        embeds = language.embed_tokens(input_ids.to(self.device))
+        extra = self.encoder_output_size - embeds.shape[-1]
+        return torch.nn.functional.pad(embeds, (0, extra)) if extra else embeds
 
     @torch.no_grad()
     def forward(

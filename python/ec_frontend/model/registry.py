@@ -44,6 +44,7 @@ FAMILIES: Mapping[str, str] = {
     "qwen2_vl": "ec_frontend.model.qwen2_vl",
     "qwen2_5_vl": "ec_frontend.model.qwen2_5_vl",
     "llava": "ec_frontend.model.llava",
+    "qwen3_vl": "ec_frontend.model.qwen3_vl",
 }
 
 
@@ -90,7 +91,9 @@ class ModelFamily:
     whole config -> the vision part) and its own ``model_class`` (``"module:Class"``
     of the :class:`~ec_frontend.model.interface.VisionLanguageModel`);
     ``merge_size`` reads how many patches per side one placeholder token merges
-    (default: ``vision_config.spatial_merge_size``).
+    (default: ``vision_config.spatial_merge_size``). ``language_model`` is
+    ``"module:Class"`` of the paged decoder, built from what ``text_config`` returns
+    (default: the Qwen2 decoder).
     """
 
     name: str
@@ -103,6 +106,7 @@ class ModelFamily:
     vision_builder: Callable[[PretrainedConfig], nn.Module] | None = None
     model_class: str = "ec_frontend.model.qwen2_vl:Qwen2VLModel"
     merge_size: Callable[[PretrainedConfig], int] | None = None
+    language_model: str = "ec_frontend.model.qwen2_text:Qwen2TextModel"
 
     def build_vision(self, config: PretrainedConfig) -> nn.Module:
         """The vision part, built from the checkpoint config (float32 buffers)."""
@@ -111,6 +115,10 @@ class ModelFamily:
         import torch
 
         return _import(self.vision_tower)._from_config(config.vision_config, dtype=torch.float32)
+
+    def build_language(self, text_config: Any) -> nn.Module:
+        """The paged decoder of the family for ``text_config`` (from :attr:`text_config`)."""
+        return _import(self.language_model)(text_config)
 
     def model_type(self) -> type:
         return _import(self.model_class)

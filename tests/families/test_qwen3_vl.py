@@ -1,0 +1,169 @@
+"""Qwen3-VL against ``transformers``' own classes, then served end to end.
+
+The checkpoint is a tiny random one written by ``Qwen3VLForConditionalGeneration``
+and Qwen3-VL's processor (``conftest.write_qwen3_vl``): a Qwen3 decoder with its
+own head_dim, q/k norms and interleaved M-RoPE, and a tower whose DeepStack
+features are added after the first decoder layers. Our processor must give the
+token ids, pixels, grids and positions of ``transformers``' processor and
+``get_rope_index``; the encoder output must carry the DeepStack features; a served
+greedy chat must produce the tokens of ``generate(do_sample=False)``, aggregated,
+E+PD and E+P+D (where the features reach the prefill instance over the EC side
+channel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ec_frontend.model.interface import AttentionMetadata
+from ec_frontend.model.loader import load_model, load_processor
+from ec_frontend.model.processor import InputProcessor
+from ec_frontend.model.qwen3_vl import interleaved_components
+from transformers import Qwen3VLForConditionalGeneration
+
+from ..helpers.processes import Proc
+from .conftest import ImageOnlyQwen3VLProcessor, load_hf_processor
+from .flows import (
+    CASES,
+    chat_messages,
+    check_disaggregated_parts,
+    check_served_equals,
+    deployment,
+    hf_generate,
+    hf_inputs,
+    media,
+)
+
+
+@pytest.fixture(scope="module")
+def ours(qwen3_vl_dir: Path) -> InputProcessor:
+    return load_processor(qwen3_vl_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_vl_dir: Path) -> tuple[Any, Qwen3VLForConditionalGeneration]:
+    model = Qwen3VLForConditionalGeneration.from_pretrained(qwen3_vl_dir, dtype=torch.float32)
+    return load_hf_processor(qwen3_vl_dir, ImageOnlyQwen3VLProcessor), model.eval()
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_vl_dir: Path) -> Any:
+    return load_model(qwen3_vl_dir, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("section", "rows"),
+    [
+        # transformers' layout: H at 1, 4, ... and W at 2, 5, ... below 3 * section, else T.
+        ((2, 1, 1), [0, 1, 2, 0]),
+        ((4, 6, 6), [0, 1, 2] * 5 + [0]),
+        ((24, 20, 20), [0, 1, 2] * 20 + [0] * 4),
+    ],
+)
+def test_interleaved_mrope_assigns_rows_round_robin(section, rows):
+    assert interleaved_components(section).tolist() == rows
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_processor_and_rope_index_match_transformers(ours, hf, case):
+    hf_processor, hf_model = hf
+    mine = ours.process_chat(chat_messages(case, urls=False), media(case))
+    ref = hf_inputs(hf_processor, case)
+    ids = ref["input_ids"]
+    assert mine.prompt_token_ids == ids[0].tolist()
+    image_token = hf_model.config.image_token_id
+    placeholders = [f.length for f in mine.mm_features]
+    grids = ref.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.int64))
+    assert placeholders == (grids.prod(-1) // 4).tolist()
+    assert sum(placeholders) == int((ids == image_token).sum())
+    assert [list(f.image_grid_thw) for f in mine.mm_features] == grids.tolist()
+    for f in mine.mm_features:
+        assert ids[0, f.offset : f.offset + f.length].eq(image_token).all()
+    if mine.mm_features:
+        pixels = torch.cat([f.pixel_values for f in mine.mm_features])
+        torch.testing.assert_close(pixels, ref["pixel_values"], atol=0, rtol=0)
+    positions, delta = hf_model.model.get_rope_index(
+        ids, ref["mm_token_type_ids"], image_grid_thw=grids if len(grids) else None
+    )
+    assert torch.equal(mine.mrope_positions, positions[:, 0])
+    assert mine.mrope_position_delta == int(delta)
+
+
+def test_encoder_output_carries_merged_tokens_then_deepstack_features(ours, hf, model):
+    _, hf_model = hf
+    mine = ours.process_chat(chat_messages("two-images", urls=False), media("two-images"))
+    pixels = torch.cat([f.pixel_values for f in mine.mm_features])
+    grids = torch.tensor([f.image_grid_thw for f in mine.mm_features])
+    got = model.encode_images(pixels, grids)
+    with torch.no_grad():
+        want = hf_model.model.get_image_features(pixel_values=pixels, image_grid_thw=grids)
+    hidden = hf_model.config.text_config.hidden_size
+    assert model.encoder_output_size == hidden * 3
+    assert [tuple(t.shape) for t in got] == [(f.length, hidden * 3) for f in mine.mm_features]
+    for i, rows in enumerate(got):
+        parts = [want.pooler_output[i]] + [feature[i] for feature in want.deepstack_features]
+        for j, part in enumerate(parts):
+            columns = rows[:, j * hidden : (j + 1) * hidden]
+            torch.testing.assert_close(columns, part, atol=1e-5, rtol=0)
+
+
+def _prefill_logits(model: Any, inputs: Any, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Last-token logits of one whole-prompt prefill on a fresh paged KV cache, image
+    placeholders replaced by ``rows``."""
+    n, block = len(inputs.prompt_token_ids), 16
+    blocks = n // block + 2
+    spec = model.kv_cache_spec()
+    kv = [torch.zeros(2, blocks, block, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+    kv = [t.clone() for t in kv]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n]),
+        seq_lens=torch.tensor([n]),
+        query_lens=torch.tensor([n]),
+        block_tables=torch.tensor([list(range(1, blocks))]),
+        slot_mapping=torch.arange(block, block + n),
+        block_size=block,
+        seq_lens_cpu=[n],
+        query_lens_cpu=[n],
+    )
+    embeds = model.embed_tokens(torch.tensor(inputs.prompt_token_ids))
+    for f, r in zip(inputs.mm_features, rows, strict=True):
+        embeds[f.offset : f.offset + f.length] = r
+    hidden = model.forward(embeds, inputs.mrope_positions, kv, meta)
+    return model.compute_logits(hidden[-1:])[0]
+
+
+def test_prefill_logits_equal_transformers_and_need_the_deepstack_features(ours, hf, model):
+    hf_processor, hf_model = hf
+    case = "two-images"
+    mine = ours.process_chat(chat_messages(case, urls=False), media(case))
+    pixels = torch.cat([f.pixel_values for f in mine.mm_features])
+    grids = torch.tensor([f.image_grid_thw for f in mine.mm_features])
+    rows = model.encode_images(pixels, grids)
+    with torch.no_grad():
+        want = hf_model(**hf_inputs(hf_processor, case)).logits[0, -1]
+    got = _prefill_logits(model, mine, rows)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    hidden = model.hidden_size
+    without = [torch.cat([r[:, :hidden], torch.zeros_like(r[:, hidden:])], dim=-1) for r in rows]
+    assert (_prefill_logits(model, mine, without) - want).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def dep(qwen3_vl_dir: Path) -> Iterator[dict[str, Proc]]:
+    with deployment(qwen3_vl_dir) as procs:
+        yield procs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, case):
+    check_served_equals(dep, case, hf_generate(*hf, case))
+
+
+@pytest.mark.slow
+def test_disaggregated_instances_did_their_part_only(dep):
+    check_disaggregated_parts(dep, (70, 42))
