@@ -16,11 +16,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.sampling_params import SamplingParams
     from ec_frontend.engine.stats import EngineStats
     from ec_frontend.model.processor import InputProcessor, ProcessedInputs
@@ -52,7 +52,7 @@ class RequestStream:
     request finished aborts the request.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
+    def __init__(self, engine: Any, request_id: str, sink: _Sink) -> None:
         self._engine = engine
         self.request_id = request_id
         self._queue = sink.queue
@@ -98,8 +98,14 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        from ec_frontend.engine.core import EngineCore
+
         core, processor = EngineCore.from_config(config)
         return cls(core, processor)
+
+    @property
+    def eos_token_id(self) -> Any:
+        return self.core.eos_token_id
 
     # ---- client API ---------------------------------------------------------
 
@@ -184,7 +190,7 @@ class AsyncEngine:
             output = RequestOutput(
                 request_id=request_id, finished=True, finish_reason="error", error=reason
             )
-            self._post(sink.loop, [(sink.queue, output)])
+            _post(sink.loop, [(sink.queue, output)])
 
     def _drain_commands(self) -> None:
         while True:
@@ -219,16 +225,14 @@ class AsyncEngine:
                     del self._sinks[output.request_id]
                 batches.setdefault(sink.loop, []).append((sink.queue, output))
         for loop, items in batches.items():
-            self._post(loop, items)
+            _post(loop, items)
 
-    @staticmethod
-    def _post(
-        loop: asyncio.AbstractEventLoop,
-        items: _Deliveries,
-    ) -> None:
-        with contextlib.suppress(RuntimeError):
-            # The client loop may already be closed; its requests are gone with it.
-            loop.call_soon_threadsafe(_put_all, items)
+
+def _post(loop: asyncio.AbstractEventLoop, items: _Deliveries) -> None:
+    """Hand outputs to their streams on ``loop`` (from any thread)."""
+    with contextlib.suppress(RuntimeError):
+        # The client loop may already be closed; its requests are gone with it.
+        loop.call_soon_threadsafe(_put_all, items)
 
 
 def _put_all(items: _Deliveries) -> None:

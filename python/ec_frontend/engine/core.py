@@ -115,14 +115,30 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[EngineCore, InputProcessor]:
         """Load the checkpoint ``config.model`` (or the built-in model) and build a core."""
-        from ec_frontend.model.builtin import BUILTIN_MODEL_ID, ensure_builtin_checkpoint
-        from ec_frontend.model.loader import load_model, load_processor
+        from ec_frontend.model.loader import load_processor
 
+        path, model_id = cls.checkpoint(config)
+        model = cls.load_model(config, path)
+        processor = load_processor(path, model_id=config.model_id or model_id)
+        eos = _generation_eos(path) or processor.eos_token_id
+        core = cls(config, model, tokenizer=processor.tokenizer, eos_token_id=eos)
+        return core, processor
+
+    @staticmethod
+    def checkpoint(config: EngineConfig) -> tuple[Path, str]:
+        """The checkpoint directory of ``config.model`` (or the built-in one) and its id."""
         if config.model is None:
-            path, model_id = ensure_builtin_checkpoint(), BUILTIN_MODEL_ID
-        else:
-            path, model_id = Path(config.model), Path(config.model).resolve().name
-        model = load_model(
+            from ec_frontend.model.builtin import BUILTIN_MODEL_ID, ensure_builtin_checkpoint
+
+            return ensure_builtin_checkpoint(), BUILTIN_MODEL_ID
+        return Path(config.model), Path(config.model).resolve().name
+
+    @staticmethod
+    def load_model(config: EngineConfig, path: Path) -> VisionLanguageModel:
+        """The model of the checkpoint at ``path`` as ``config`` asks for it."""
+        from ec_frontend.model.loader import load_model
+
+        return load_model(
             path,
             device=config.device,
             dtype=config.dtype,
@@ -130,10 +146,6 @@ class EngineCore:
             load_language=not config.is_encoder_only,
             load_format=config.load_format,
         )
-        processor = load_processor(path, model_id=config.model_id or model_id)
-        eos = _generation_eos(path) or processor.eos_token_id
-        core = cls(config, model, tokenizer=processor.tokenizer, eos_token_id=eos)
-        return core, processor
 
     # ---- requests -----------------------------------------------------------
 

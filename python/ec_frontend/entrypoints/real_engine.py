@@ -164,19 +164,47 @@ def _builtin_id() -> str:
     return BUILTIN_MODEL_ID
 
 
-def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
-    """``(AsyncEngine, model_id, max_model_len)``; raises ``ValueError`` on bad options."""
-    from ec_frontend.engine.async_engine import AsyncEngine
+def build_core(config: EngineConfig) -> tuple[Any, Any]:
+    """In the engine process: ``(EngineCore, processor loader)``. The core gets no
+    tokenizer (its clients detokenize); the loader builds the input processor on
+    first use (a structured-output grammar needs the tokenizer)."""
+    from ec_frontend.engine.core import EngineCore, _generation_eos
+    from ec_frontend.model.loader import load_processor
 
+    path, model_id = EngineCore.checkpoint(config)
+    model = EngineCore.load_model(config, path)
+    loaded: list[Any] = []
+
+    def processor() -> Any:
+        if not loaded:
+            loaded.append(load_processor(path, model_id=config.model_id or model_id))
+        return loaded[0]
+
+    eos = _generation_eos(path) or processor().eos_token_id
+    return EngineCore(config, model, eos_token_id=eos), processor
+
+
+def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
+    """``(engine, model_id, max_model_len)``; raises ``ValueError`` on bad options and
+    :class:`~ec_frontend.engine.core_proc.StartupError` when the engine cannot load.
+    ``opts.engine_mode`` picks the engine process (``multiprocess``) or a thread of
+    this one (``inprocess``)."""
     load_plugins()
     config, path = engine_config(opts)
+    threads = cpu_threads(opts, builtin=config.model_id == _builtin_id())
+    log.info("loading %s (%s, %s)", path, config.device or "auto device", config.dtype)
+    if getattr(opts, "engine_mode", "inprocess") == "multiprocess":
+        from ec_frontend.engine.mp_client import MPEngineClient
+
+        level = log.getEffectiveLevel()
+        engine = MPEngineClient.start(config, cpu_threads=threads, log_level=level)
+        return engine, config.model_id, config.scheduler.max_model_len
     import torch
 
+    from ec_frontend.engine.async_engine import AsyncEngine
+
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu":
-        threads = cpu_threads(opts, builtin=config.model_id == _builtin_id())
-        if threads is not None:
-            torch.set_num_threads(threads)
-    log.info("loading %s (%s, %s)", path, config.device or "auto device", config.dtype)
+    if device == "cpu" and threads is not None:
+        torch.set_num_threads(threads)
     engine = AsyncEngine.from_config(config)
     return engine, config.model_id, config.scheduler.max_model_len

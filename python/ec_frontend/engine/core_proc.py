@@ -1,0 +1,645 @@
+"""The engine core in its own process, and the message schema both sides speak.
+
+The process is a fresh interpreter (spawned, never forked: CUDA-safe) that imports
+only what the engine needs, builds an :class:`~ec_frontend.engine.core.EngineCore`
+and runs a busy step loop (no asyncio) between two ZMQ ROUTER sockets:
+
+* **input** (``<dir>/in``): each client's DEALER sends requests, aborts and stop
+  notices; the ROUTER tells clients apart by their identity.
+* **output** (``<dir>/out``): each client's DEALER says ``hello`` once and is
+  answered with the engine's facts (``welcome``); after every step that computed
+  anything, each client gets one message with its own outputs (possibly none),
+  the step's stats snapshot and the request ids that connectors keep holding
+  after they finished.
+
+Messages are msgpack (msgspec) headers, version :data:`PROTOCOL_VERSION`. Tensors
+(pixel values, M-RoPE positions, image embeddings) travel as extra frames after
+the header, sent without copying and received as views of the frame; the header
+holds their dtype and shape. Request ids are a client's own: with more than one
+client the engine keys its requests by ``(client, id)``.
+
+The engine process exits when its parent dies (the parent pid is polled between
+steps and while idle), so a killed server leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.engine.core import EngineCore
+    from ec_frontend.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+# ---- message kinds (the first element of every header) -----------------------
+#: client -> engine (input socket)
+ADD, ABORT, STOP, SHUTDOWN = "add", "abort", "stop", "shutdown"
+#: client -> engine (output socket), and the engine's answer
+HELLO, WELCOME = b"hello", "welcome"
+#: engine -> client (output socket)
+OUTPUTS = "out"
+
+_EXT_TENSOR = 1
+_EXT_NDARRAY = 2
+
+#: Longest idle wait between parent checks and input polls (milliseconds).
+_IDLE_POLL_MS = 100
+#: Pause between steps that only poll connectors (delayed frees, remote KV).
+_TRANSFER_POLL_MS = 2
+#: How long a client waits for the engine's welcome.
+WELCOME_TIMEOUT_S = 30.0
+#: Environment variable naming the module whose ``build_core(spec)`` builds the core.
+_STARTUP_EXIT = 2
+
+
+class StartupError(RuntimeError):
+    """The engine process could not start; the message is one line from the child."""
+
+
+# ---- frames -------------------------------------------------------------------
+
+
+class Codec:
+    """msgpack headers with tensors as extra frames. Not thread-safe: one per user."""
+
+    def __init__(self) -> None:
+        self._frames: list[Any] = []
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._inner = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        self._in_frames: list[Any] = []
+
+    def encode(self, message: Any) -> list[Any]:
+        """``[header, *tensor buffers]`` for ``zmq.Socket.send_multipart(copy=False)``."""
+        self._frames = []
+        try:
+            header = self._encoder.encode(message)
+            return [header, *self._frames]
+        finally:
+            self._frames = []
+
+    def decode(self, frames: list[Any]) -> Any:
+        """The message of ``[header, *tensor frames]`` (frames from ``copy=False``)."""
+        self._in_frames = frames
+        try:
+            return self._decoder.decode(_buffer(frames[0]))
+        finally:
+            self._in_frames = []
+
+    def _enc_hook(self, obj: Any) -> Any:
+        import numpy as np
+
+        if type(obj).__module__ == "torch" or _is_tensor(obj):
+            tensor = obj.detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            tensor = tensor.contiguous()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            shape = list(tensor.shape)
+            raw = tensor.reshape(-1).view(_torch().uint8).numpy() if tensor.numel() else b""
+            return self._ext(_EXT_TENSOR, dtype, shape, raw)
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            return self._ext(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), arr.reshape(-1))
+        raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine")
+
+    def _ext(self, code: int, dtype: str, shape: list[int], raw: Any) -> msgspec.msgpack.Ext:
+        index = len(self._frames) + 1
+        self._frames.append(memoryview(raw).cast("B") if len(raw) else b"")
+        return msgspec.msgpack.Ext(code, self._inner.encode((index, dtype, shape)))
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        index, dtype, shape = msgspec.msgpack.decode(data)
+        buf = _buffer(self._in_frames[index])
+        if code == _EXT_TENSOR:
+            torch = _torch()
+            torch_dtype = getattr(torch, dtype)
+            if not len(buf):
+                return torch.empty(shape, dtype=torch_dtype)
+            with warnings.catch_warnings():
+                # The frame is read-only to Python; the engine only reads its inputs.
+                warnings.simplefilter("ignore")
+                flat = torch.frombuffer(buf, dtype=torch.uint8)
+            return flat.view(torch_dtype).view(shape)
+        if code == _EXT_NDARRAY:
+            import numpy as np
+
+            return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+        raise ValueError(f"unknown extension type {code}")
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+# ---- dataclasses on the wire ---------------------------------------------------
+
+
+def pack_dataclass(obj: Any) -> dict[str, Any]:
+    """A dataclass as a map of its fields (nested dataclasses too); tuple fields are
+    named under ``__tuples__`` so that they come back as tuples."""
+    out: dict[str, Any] = {}
+    tuples: list[str] = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            value = pack_dataclass(value)
+        elif isinstance(value, list) and value and is_dataclass(value[0]):
+            value = [pack_dataclass(v) for v in value]
+        elif isinstance(value, tuple):
+            tuples.append(f.name)
+        out[f.name] = value
+    if tuples:
+        out["__tuples__"] = tuples
+    return out
+
+
+def unpack_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a packed dataclass (tuples restored)."""
+    tuples = data.pop("__tuples__", ())
+    for name in tuples:
+        data[name] = tuple(data[name])
+    return data
+
+
+def pack_params(params: Any) -> dict[str, Any]:
+    """Sampling params for the wire; a compiled grammar travels as its kind and text."""
+    data = pack_dataclass(params)
+    grammar = getattr(params, "structured_outputs", None)
+    if grammar is not None:
+        data["structured_outputs"] = [grammar.kind, grammar.grammar]
+    return data
+
+
+def pack_output(out: RequestOutput) -> tuple[Any, ...]:
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in out.logprobs]
+    return (
+        out.request_id,
+        out.token_ids,
+        out.finish_reason,
+        out.stop_reason,
+        logprobs,
+        out.num_cached_tokens,
+        out.kv_transfer_params,
+        out.ec_transfer_params,
+        out.error,
+    )
+
+
+# ---- the process handle --------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    """What the engine process needs to build its core (pickled to the child)."""
+
+    config: EngineConfig
+    #: Torch threads on the CPU (``None``: torch's default).
+    cpu_threads: int | None = None
+    #: ``"real"``: the checkpoint ``config.model``; ``"mock"``: the mock model.
+    kind: str = "real"
+    log_level: int = logging.WARNING
+    sys_path: list[str] = field(default_factory=lambda: list(sys.path))
+
+
+class EngineProcess:
+    """The handle of one engine process: start it, learn its address, stop it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], directory: str, ready_fd: int) -> None:
+        self.proc = proc
+        self.directory = directory
+        self._ready_fd = ready_fd
+        self.info: dict[str, Any] = {}
+
+    @property
+    def address(self) -> str:
+        """The ``ipc://`` prefix of the engine's sockets (``<address>/in``, ``/out``)."""
+        return f"ipc://{self.directory}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def launch(cls, spec: EngineSpec, num_clients: int = 1) -> EngineProcess:
+        """Start the process; :meth:`wait_ready` waits for its model to load."""
+        directory = tempfile.mkdtemp(prefix="ec-engine-")
+        read_fd, write_fd = os.pipe()
+        code = "from ec_frontend.engine.core_proc import main; main()"
+        args = [sys.executable, "-c", code, str(write_fd), directory, str(num_clients)]
+        try:
+            proc = subprocess.Popen(args, stdin=subprocess.PIPE, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        finally:
+            os.close(write_fd)
+        handle = cls(proc, directory, read_fd)
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+        except (BrokenPipeError, pickle.PicklingError) as exc:
+            handle.kill()
+            raise StartupError(f"the engine process could not be given its config: {exc}") from None
+        return handle
+
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+        """The engine's facts once its core is built; :class:`StartupError` with the
+        child's one-line message if it failed (the child then exits with code 2)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks: list[bytes] = []
+        with os.fdopen(self._ready_fd, "rb", closefd=True) as pipe:
+            while True:
+                if deadline is not None and time.monotonic() > deadline:
+                    self.kill()
+                    raise StartupError("the engine process did not start in time")
+                chunk = pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        blob = b"".join(chunks)
+        if not blob:
+            code = self.proc.wait()
+            self._cleanup()
+            raise StartupError(f"the engine process exited with code {code} while starting")
+        status, payload = msgspec.msgpack.decode(blob)
+        if status != "ready":
+            self.proc.wait()
+            self._cleanup()
+            raise StartupError(str(payload))
+        self.info = payload
+        return payload
+
+    @classmethod
+    def start(
+        cls, spec: EngineSpec, num_clients: int = 1, timeout: float | None = None
+    ) -> EngineProcess:
+        handle = cls.launch(spec, num_clients)
+        handle.wait_ready(timeout)
+        return handle
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; the exit code."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._cleanup()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5.0)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ---- the engine process ---------------------------------------------------------
+
+
+def main() -> None:
+    """Entry of the engine process: ``<ready fd> <socket dir> <clients>``, spec on stdin."""
+    ready_fd, directory, num_clients = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then stops us
+    spec: EngineSpec | None = None
+    try:
+        spec = pickle.loads(sys.stdin.buffer.read())
+        assert spec is not None
+        for entry in spec.sys_path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        logging.basicConfig(
+            level=spec.log_level, format="%(levelname)s %(name)s (engine): %(message)s"
+        )
+        served = _Served.build(spec)
+        server = EngineServer(served, directory, num_clients, parent)
+    except BaseException as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        _report(ready_fd, ("error", message))
+        os._exit(_STARTUP_EXIT)
+    _report(ready_fd, ("ready", server.info))
+    try:
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        server.close()
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _report(fd: int, message: Any) -> None:
+    with os.fdopen(fd, "wb", closefd=True) as pipe:
+        pipe.write(msgspec.msgpack.encode(message))
+
+
+@dataclass(slots=True)
+class _Served:
+    """A built core and what the process needs beside it."""
+
+    core: EngineCore
+    spec: EngineSpec
+    processor_loader: Callable[[], Any] | None = None
+    _grammar_tokenizer: Any = None
+    _grammars: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> _Served:
+        if spec.kind == "mock":
+            from ec_frontend.entrypoints.mock_engine import build_mock_core
+
+            return cls(build_mock_core(spec.config), spec)
+        from ec_frontend.entrypoints.real_engine import build_core, load_plugins
+
+        load_plugins()
+        torch = _torch()
+        device = spec.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu" and spec.cpu_threads is not None:
+            torch.set_num_threads(spec.cpu_threads)
+        core, loader = build_core(spec.config)
+        return cls(core, spec, loader)
+
+    def grammar(self, kind: str, text: str) -> Any:
+        """The engine's compiled grammar for a frontend-validated one (cached)."""
+        key = (kind, text)
+        hit = self._grammars.get(key)
+        if hit is not None:
+            return hit
+        from ec_frontend.engine.structured_output import CompiledGrammar, GrammarCompiler
+
+        if self._grammar_tokenizer is None:
+            if self.processor_loader is None:
+                raise ValueError("this engine has no tokenizer to constrain the output")
+            processor = self.processor_loader()
+            eos = self.core.eos_token_id
+            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+            self._grammar_tokenizer = GrammarCompiler(
+                processor.tokenizer, processor.vocab_size, eos_ids
+            ).tokenizer
+        compiled = CompiledGrammar(kind, text, self._grammar_tokenizer)
+        if len(self._grammars) >= 256:
+            self._grammars.pop(next(iter(self._grammars)))
+        self._grammars[key] = compiled
+        return compiled
+
+
+class EngineServer:
+    """The step loop between the sockets (runs in the engine process's main thread)."""
+
+    def __init__(self, served: _Served, directory: str, num_clients: int, parent: int) -> None:
+        self.served = served
+        self.core = served.core
+        self.parent = parent
+        self.num_clients = num_clients
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.ROUTER)
+        self.output = self.ctx.socket(zmq.ROUTER)
+        for sock in (self.input, self.output):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+        self.input.bind(f"ipc://{directory}/in")
+        self.output.bind(f"ipc://{directory}/out")
+        self.codec = Codec()
+        self.clients: list[bytes] = []
+        #: engine request id -> (client identity, the client's id)
+        self.owners: dict[str, tuple[bytes, str]] = {}
+        #: (client identity, client's id) -> engine request id
+        self.ids: dict[tuple[bytes, str], str] = {}
+        #: finished requests a connector still holds (engine ids)
+        self.held: set[str] = set()
+        self._held_owner: dict[str, tuple[bytes, str]] = {}
+        self.running = True
+        self.info: dict[str, Any] = {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "eos_token_id": _plain(self.core.eos_token_id),
+            "stats": _stats_values(self.core.stats()),
+        }
+
+    def close(self) -> None:
+        self.input.close(0)
+        self.output.close(0)
+        self.ctx.term()
+
+    # ---- loop -----------------------------------------------------------------
+
+    def run(self) -> None:
+        core = self.core
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        poller.register(self.output, zmq.POLLIN)
+        wait_ms = _IDLE_POLL_MS
+        while self.running:
+            events = dict(poller.poll(wait_ms))
+            if self.output in events:
+                self._greet()
+            if self.input in events:
+                self._drain_input()
+            if os.getppid() != self.parent:
+                logger.warning("the server process is gone: the engine exits")
+                return
+            if not self.running:
+                return
+            if not core.has_work():
+                wait_ms = _IDLE_POLL_MS
+                continue
+            outputs = core.step()
+            self._send(outputs)
+            wait_ms = 0
+            if not outputs and core.last_num_scheduled == 0:
+                wait_ms = _TRANSFER_POLL_MS
+
+    def _greet(self) -> None:
+        while True:
+            try:
+                identity, *_ = self.output.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if identity not in self.clients:
+                self.clients.append(identity)
+            info = {**self.info, "stats": _stats_values(self.core.stats())}
+            self.output.send_multipart([identity, *self.codec.encode((WELCOME, info))])
+
+    def _drain_input(self) -> None:
+        while True:
+            try:
+                frames = self.input.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            try:
+                message = self.codec.decode(frames[1:])
+            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                logger.error("undecodable message from a client: %s", exc)
+                continue
+            kind = message[0]
+            if kind == ADD:
+                self._add(identity, message)
+            elif kind == ABORT:
+                ids = [self.ids[(identity, r)] for r in message[1] if (identity, r) in self.ids]
+                if ids:
+                    self.core.abort(ids)
+            elif kind == STOP:
+                engine_id = self.ids.get((identity, message[1]))
+                if engine_id is not None:
+                    self.core.stop(engine_id, message[2])
+            elif kind == SHUTDOWN:
+                self.running = False
+                return
+
+    def _engine_id(self, identity: bytes, request_id: str) -> str:
+        if self.num_clients == 1:
+            return request_id
+        return f"{identity.decode(errors='replace')}:{request_id}"
+
+    def _add(self, identity: bytes, message: list[Any]) -> None:
+        _, request_id, inputs, params = message
+        engine_id = self._engine_id(identity, request_id)
+        if engine_id in self.owners or engine_id in self.held:
+            self._fail(identity, request_id, f"request id {request_id!r} is already in use")
+            return
+        try:
+            built_inputs = self._inputs(inputs)
+            built_params = self._params(params)
+            self.owners[engine_id] = (identity, request_id)
+            self.ids[(identity, request_id)] = engine_id
+            self.core.add_request(engine_id, built_inputs, built_params)
+        except Exception as exc:
+            self.owners.pop(engine_id, None)
+            self.ids.pop((identity, request_id), None)
+            self._fail(identity, request_id, f"request could not be added: {exc}")
+
+    def _fail(self, identity: bytes, request_id: str, error: str) -> None:
+        """A request that never reached the core ends at once with ``error``."""
+        item = (request_id, [], "error", None, None, 0, None, None, error)
+        stats = _stats_values(self.core.stats())
+        message = (OUTPUTS, [item], stats, None, None)
+        self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
+
+    def _inputs(self, data: dict[str, Any]) -> Any:
+        builder = getattr(self.core, "build_inputs", None)
+        if builder is not None:
+            return builder(data)
+        from ec_frontend.model.processor import MultiModalFeature, ProcessedInputs
+
+        kwargs = unpack_fields(data)
+        kwargs["mm_features"] = [
+            MultiModalFeature(**unpack_fields(f)) for f in kwargs.get("mm_features") or []
+        ]
+        return ProcessedInputs(**kwargs)
+
+    def _params(self, data: dict[str, Any]) -> Any:
+        from ec_frontend.engine.sampling_params import SamplingParams
+
+        kwargs = unpack_fields(data)
+        grammar = kwargs.pop("structured_outputs", None)
+        params = SamplingParams(**kwargs)
+        if grammar is not None:
+            params.structured_outputs = self.served.grammar(grammar[0], grammar[1])
+        return params
+
+    # ---- outputs ----------------------------------------------------------------
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        """One message per client: its outputs, the stats, connector-held changes."""
+        core = self.core
+        scheduled = core.last_num_scheduled
+        if not outputs and scheduled == 0 and not self.held:
+            return
+        per_client: dict[bytes, list[tuple[Any, ...]]] = {c: [] for c in self.clients}
+        held_added: dict[bytes, list[str]] = {}
+        held_released: dict[bytes, list[str]] = {}
+        requests = core.scheduler.requests
+        for out in outputs:
+            owner = self.owners.get(out.request_id)
+            if owner is None:
+                continue
+            identity, client_id = owner
+            if out.finished:
+                del self.owners[out.request_id]
+                self.ids.pop(owner, None)
+                if out.request_id in requests:
+                    self.held.add(out.request_id)
+                    held_added.setdefault(identity, []).append(client_id)
+                    self._held_owner[out.request_id] = owner
+            packed = pack_output(out)
+            per_client.setdefault(identity, []).append((client_id, *packed[1:]))
+        if self.held:
+            for engine_id in [r for r in self.held if r not in requests]:
+                self.held.discard(engine_id)
+                identity, client_id = self._held_owner.pop(engine_id)
+                held_released.setdefault(identity, []).append(client_id)
+        if not outputs and scheduled == 0 and not held_released:
+            return
+        stats = _stats_values(core.stats())
+        for identity, items in per_client.items():
+            message = (
+                OUTPUTS,
+                items,
+                stats,
+                held_added.get(identity),
+                held_released.get(identity),
+            )
+            self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
+
+
+def _stats_values(stats: Any) -> list[Any]:
+    return [getattr(stats, f.name) for f in dataclasses.fields(stats)]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple | list | frozenset | set):
+        return list(value)
+    return value
