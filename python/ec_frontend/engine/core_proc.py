@@ -535,7 +535,9 @@ class EngineServer:
                 engine_id = self.ids.get((identity, message[1]))
                 if engine_id is not None:
                     self.core.stop(engine_id, message[2])
-            elif kind == SHUTDOWN:
+            elif kind == SHUTDOWN and self.num_clients == 1:
+                # Several clients (``--api-server-count``): the process's owner stops
+                # it once every client is done; one client leaving stops nothing.
                 self.running = False
                 return
 
