@@ -104,10 +104,7 @@ def test_tokenize_messages_counts_what_chat_feeds_the_model(mock_server: ServerP
             "add_special_tokens",
         ),
         (
-            {
-                "messages": [{"role": "user", "content": "x"}],
-                "tools": [{"type": "function", "function": {"name": "f"}}],
-            },
+            {"messages": [{"role": "user", "content": "x"}], "tools": []},
             400,
             "tools",
         ),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,12 +67,32 @@ def _serve(args: list[str]) -> Proc:
     return Proc("serve", args, "server").wait_ready()
 
 
+#: Put before the built-in chat template (which ignores tools): a system block
+#: listing the tools, as the Qwen family's templates render them.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def server(builtin_model_dir: Path) -> Iterator[Proc]:
+def tools_model_dir(builtin_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in checkpoint with a chat template that renders ``tools``."""
+    out = tmp_path_factory.mktemp("tools-model")
+    for f in builtin_model_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE + config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tools_model_dir: Path) -> Iterator[Proc]:
     proc = _serve(
         [
             "--model",
-            str(builtin_model_dir),
+            str(tools_model_dir),
             "--device",
             "cpu",
             "--max-model-len",
@@ -469,6 +490,25 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         },
         "text.format.schema",
     ),
+    (
+        "chat",
+        {
+            "structured_outputs": {
+                "structural_tag": json.dumps(
+                    {
+                        "structures": [{"begin": "@a", "schema": {"type": "strin"}, "end": ""}],
+                        "triggers": ["@"],
+                    }
+                )
+            }
+        },
+        "structured_outputs.structural_tag.structures[0].schema",
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
+        "response_format.format",
+    ),
 ]
 
 
@@ -511,3 +551,85 @@ def test_without_the_flags_auto_is_refused() -> None:
         assert r.status_code == 200
     finally:
         assert mock.stop() == 0
+
+
+def test_tokenize_renders_tools_as_chat_does(server: Proc, client: openai.OpenAI) -> None:
+    """``/tokenize`` with ``tools`` counts the prompt a chat request with those tools
+    feeds the model (rendered by the chat template), as vLLM's does."""
+    tok = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES, "tools": TOOLS})
+    assert tok.status_code == 200, tok.text
+    bare = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=1,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="auto",
+    )
+    assert r.usage is not None
+    assert tok.json()["count"] == r.usage.prompt_tokens > bare["count"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tok.json()["tokens"]}).json()
+    assert '"get_weather"' in text["prompt"] and "Current weather in a city" in text["prompt"]
+    bad = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES, "tools": [{"x": 1}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
+
+
+#: Two structures behind one trigger, ``@`` (one token of the built-in tokenizer).
+STRUCTURAL_TAG = {
+    "structures": [
+        {"begin": "@weather:", "schema": PARAMS["get_weather"], "end": ";"},
+        {"begin": "@add:", "schema": PARAMS["add"], "end": ";"},
+    ],
+    "triggers": ["@"],
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structural_tag(server: Proc, client: openai.OpenAI, stream: bool) -> None:
+    """``response_format`` of type ``structural_tag`` and vLLM's
+    ``structured_outputs.structural_tag`` (its JSON text): the free text is pushed to the
+    trigger by ``logit_bias``, and every trigger is followed by a structure's begin,
+    arguments valid for its schema and its end."""
+    at = httpx.post(server.url + "/tokenize", json={"prompt": "@"}).json()["tokens"]
+    assert len(at) == 1
+    bodies = [
+        {"response_format": {"type": "structural_tag", **STRUCTURAL_TAG}},
+        {"structured_outputs": {"structural_tag": json.dumps(STRUCTURAL_TAG)}},
+    ]
+    ends = {s["begin"]: (s["schema"], s["end"]) for s in STRUCTURAL_TAG["structures"]}
+    for seed, extra in enumerate(bodies):
+        kwargs: dict[str, Any] = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 120,
+            "temperature": 1.0,
+            "seed": seed,
+            "logit_bias": {str(at[0]): 100},
+            "extra_body": extra,
+        }
+        if stream:
+            text, _, finish = _stream_chat(client, **kwargs)
+        else:
+            r = client.chat.completions.create(**kwargs)
+            text, finish = r.choices[0].message.content or "", r.choices[0].finish_reason
+        complete = 0
+        pos = 0
+        while pos < len(text):
+            begin = next((b for b in ends if text.startswith(b, pos)), None)
+            if begin is None:
+                # Only a structure cut by max_tokens may stay unfinished.
+                assert finish == "length" and any(b.startswith(text[pos:]) for b in ends), text
+                break
+            schema, end = ends[begin]
+            try:
+                value, pos = json.JSONDecoder().raw_decode(text, pos + len(begin))
+            except ValueError:
+                assert finish == "length", text
+                break
+            jsonschema.validate(value, schema)
+            if not text.startswith(end, pos):
+                assert finish == "length" and text[pos:] == "", text
+                break
+            pos += len(end)
+            complete += 1
+        assert complete >= 2, text

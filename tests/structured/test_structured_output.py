@@ -180,3 +180,67 @@ def test_sampler_batch_mixes_constrained_and_free_rows(
     assert all(done[:4])
     for schema, out in zip(schemas, outputs[:4], strict=False):
         jsonschema.validate(json.loads(tokenizer.decode(out)), schema)
+
+
+ADD_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TAG = {
+    "structures": [
+        {"begin": "<f=add>", "schema": ADD_SCHEMA, "end": "</f>"},
+        {"begin": "<tool_call>city:", "schema": CITY_SCHEMA, "end": "</tool_call>"},
+    ],
+    "triggers": ["<f=", "<tool_call>"],
+}
+
+
+@pytest.mark.parametrize(("lead", "seed"), [("hi <f=", 0), ("x <f=", 1), ("ok <tool_call>", 2)])
+def test_structural_tag_forces_the_structure_after_a_trigger(
+    tokenizer, compiler: GrammarCompiler, lead: str, seed: int
+) -> None:
+    """Free text until a trigger; from the trigger on, one structure's begin, JSON valid
+    for its schema and its end are the only continuations (the walk picks at random
+    among the allowed tokens, ending whenever the grammar allows)."""
+    grammar = compiler.compile("structural_tag", TAG, "p")
+    state = grammar.new_state()
+    out = tokenizer.encode(lead)
+    rng = random.Random(seed)
+    eos = set(grammar.tokenizer.eos_tokens)
+    for _ in range(600):
+        mask = fill_bitmask(None, [state], [out], VOCAB)
+        allowed = unpack_bitmask(mask, VOCAB)[0].nonzero().flatten().tolist()
+        assert not state.failed
+        if eos & set(allowed) and rng.random() < 0.1:
+            break
+        out.append(rng.choice(allowed))
+    text = tokenizer.decode(out)
+    schemas = {s["begin"]: (s["schema"], s["end"]) for s in TAG["structures"]}
+    rest = text[len(lead) - len(lead.split(" ")[1]) :]
+    begin = next(b for b in schemas if rest.startswith(b))
+    schema, end = schemas[begin]
+    value, stop = json.JSONDecoder().raw_decode(rest, len(begin))
+    jsonschema.validate(value, schema)
+    assert rest[stop:].startswith(end)
+
+
+def test_structural_tag_errors_name_the_structure(compiler: GrammarCompiler) -> None:
+    bad = {
+        **TAG,
+        "structures": [TAG["structures"][0], {**TAG["structures"][1], "schema": {"type": "strin"}}],
+    }
+    with pytest.raises(StructuredOutputError) as info:
+        compiler.compile("structural_tag", bad, "response_format")
+    assert info.value.param == "response_format.structures[1].schema"
+    never = {**TAG, "structures": [{**TAG["structures"][0], "schema": False}]}
+    with pytest.raises(StructuredOutputError) as info:
+        compiler.compile("structural_tag", never, "p")
+    assert info.value.param == "p.structures[0].schema"

@@ -4,7 +4,7 @@ token bitmasks for the whole batch each step.
 The library is llguidance (``docs/structured_outputs.md`` says why). The pieces:
 
 * :class:`GrammarCompiler` turns a constraint (a JSON schema, ``json_object``, a
-  regex, a list of choices, a Lark or GBNF grammar) into a validated
+  regex, a list of choices, a Lark or GBNF grammar, a structural tag) into a validated
   :class:`CompiledGrammar`, cached by the spec's canonical JSON. The server calls it
   on its input-processing threads, never on the engine's step loop; an invalid
   spec raises :class:`StructuredOutputError` naming the request parameter.
@@ -50,7 +50,7 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 #: Compiled grammars kept per compiler.
 CACHE_SIZE = 512
 #: Constraint kinds a request may ask for.
-KINDS = frozenset({"json", "json_object", "regex", "choice", "grammar", "lark"})
+KINDS = frozenset({"json", "json_object", "regex", "choice", "grammar", "lark", "structural_tag"})
 
 
 class StructuredOutputError(ValueError):
@@ -127,6 +127,9 @@ class GrammarCompiler:
             hf_tokenizer, n_vocab=vocab_size, eos_token=eos
         )
         self.vocab_size = vocab_size
+        #: Texts of the tokenizer's special tokens (a structural tag's trigger that is
+        #: one is matched as that token, not as text).
+        self.special_tokens = frozenset(getattr(hf_tokenizer, "all_special_tokens", ()))
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -155,8 +158,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    @staticmethod
-    def _build(kind: str, spec: Any, param: str) -> str:
+    def _build(self, kind: str, spec: Any, param: str) -> str:
+        if kind == "structural_tag":
+            return self._structural_tag(spec, param)
         try:
             if kind == "json":
                 schema = json.loads(spec) if isinstance(spec, str) else spec
@@ -177,6 +181,37 @@ class GrammarCompiler:
                 f"invalid {_WHAT[kind]} in '{param}': {exc}", param
             ) from exc
 
+    def _structural_tag(self, spec: dict[str, Any], param: str) -> str:
+        """vLLM's structural tag (``structures`` and ``triggers``, shapes checked by the
+        parser) as llguidance's tag grammar: free text until a trigger, then a
+        structure's ``begin``, JSON valid for its ``schema`` (compact) and its ``end``.
+        Each schema is compiled alone first, so an error names its structure."""
+        triggers: list[str] = list(spec["triggers"])
+        tags: list[llguidance.StructTag] = []
+        for i, item in enumerate(spec["structures"]):
+            at = f"{param}.structures[{i}].schema"
+            schema = item["schema"]
+            if schema is False:
+                raise StructuredOutputError(f"the schema in '{at}' admits no value", at)
+            schema = {} if schema is True else schema
+            error = LLMatcher.validate_grammar(self._build("json", schema, at), self.tokenizer)
+            if error:
+                raise StructuredOutputError(f"invalid JSON schema in '{at}': {error}", at)
+            trigger = next(t for t in triggers if item["begin"].startswith(t))
+            tags.append(
+                llguidance.StructTag(
+                    trigger=trigger,
+                    begin=item["begin"],
+                    grammar={**schema, "x-guidance": JSON_OPTIONS},
+                    end=item["end"],
+                )
+            )
+        # A trigger written like a special token (<...>) is one only if the tokenizer
+        # has it as one; otherwise every trigger is matched as text.
+        tagged = [t for t in triggers if t.startswith("<") and t.endswith(">")]
+        special = all(t in self.special_tokens for t in tagged)
+        return llguidance.StructTag.to_grammar(tags, assume_special=special)
+
 
 _WHAT = {
     "json": "JSON schema",
@@ -185,6 +220,7 @@ _WHAT = {
     "choice": "choice list",
     "grammar": "grammar",
     "lark": "grammar",
+    "structural_tag": "structural tag",
 }
 
 

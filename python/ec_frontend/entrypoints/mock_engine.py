@@ -16,6 +16,7 @@ idle state is observable on ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -104,6 +105,7 @@ class MockProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
     ) -> MockInputs:
         if self.images is not None:
@@ -111,9 +113,10 @@ class MockProcessor:
                 p["media_index"] for m in messages for p in m["content"] if p["type"] != "text"
             ]
             self.images._images(media, order, None)
-        pieces: list[str] = []
+        # Tools open the prompt as one line of their JSON (as templates put them first).
+        pieces: list[str] = [f"tools: {json.dumps(tools)}\n"] if tools else []
         features: list[MockFeature] = []
-        offset = 0
+        offset = len(pieces[0]) if pieces else 0
         for message in messages:
             head = f"{message['role']}: "
             pieces.append(head)

@@ -3,7 +3,8 @@
 * ``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
   ``{"count", "max_model_len", "tokens", "token_strs"}``. A chat request is
   rendered exactly as ``/v1/chat/completions`` renders it (template, image
-  placeholders), so ``count`` is what the model would see.
+  placeholders, ``tools`` as vLLM renders them), so ``count`` is what the model
+  would see.
 * ``POST /detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``.
 * ``GET /version``: ``{"version": str}`` (ec-frontend's own version).
 * ``GET|POST /ping``: 200 with an empty body while the engine runs (as ``/health``).
@@ -31,6 +32,7 @@ from ec_frontend._core import parse_request
 from ec_frontend.entrypoints.errors import APIError
 from ec_frontend.entrypoints.sampling import encode_text
 from ec_frontend.entrypoints.serving import continuation
+from ec_frontend.entrypoints.tool_parsers import plan_from
 
 if TYPE_CHECKING:
     from ec_frontend.entrypoints.server import App
@@ -42,7 +44,7 @@ _MAX_TOKEN_ID = 2**63 - 1
 _CHILD_SUFFIX = re.compile(r"(-(\d+|[0-9a-f]{8}))+")
 #: Chat fields of ``/tokenize`` that go to the chat parser as they are.
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs",
-                "mm_processor_kwargs", "continue_final_message")  # fmt: skip
+                "mm_processor_kwargs", "continue_final_message", "tools")  # fmt: skip
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIError:
@@ -139,7 +141,6 @@ class VLLMRoutes:
                 "template places the special tokens",
                 "add_special_tokens",
             )
-        _refuse_if_set(data, "tools", "tool definitions are not rendered")
         _refuse_if_set(data, "chat_template", "the model's own chat template is used")
         _refuse_if_set(data, "media_io_kwargs", "media loading takes no options")
         app = self.app
@@ -158,6 +159,9 @@ class VLLMRoutes:
                 )
         app.serving.check_input_limits(parsed)
         processor = app.engine.processor
+        # Tools are rendered by the chat template as a chat request renders them.
+        plan = plan_from(parsed.structured)
+        tools = {"tools": plan.template_tools()} if plan is not None else {}
         try:
             inputs = await app.serving.run_processing(
                 processor.process_chat,
@@ -166,6 +170,7 @@ class VLLMRoutes:
                 add_generation_prompt=parsed.add_generation_prompt,
                 chat_template_kwargs=parsed.chat_template_kwargs,
                 mm_processor_kwargs=parsed.mm_processor_kwargs,
+                **tools,
                 **continuation(parsed),
             )
         except (ValueError, OSError, IndexError) as exc:

@@ -10,7 +10,8 @@
 //! `{"constraint": null | {"kind", "spec", "param"}, "tools": null | [{"name",
 //! "description", "parameters", "strict"}], "tool_choice": "none" | "auto" |
 //! "required" | "function", "tool_name": null | name, "parallel_tool_calls": bool}`
-//! where `kind` is `json`, `json_object`, `regex`, `choice` or `grammar`.
+//! where `kind` is `json`, `json_object`, `regex`, `choice`, `grammar` or
+//! `structural_tag` (spec `{"structures": [{"begin", "schema", "end"}], "triggers"}`).
 
 use std::borrow::Cow;
 
@@ -18,6 +19,8 @@ use crate::content::clip;
 use crate::error::Result;
 use crate::fields::{array, boolean, missing, object, present, string, type_error, value_error};
 use crate::fieldset::{Fields, F};
+use crate::json::parse_str;
+use crate::limits::Limits;
 use crate::path::{Path, ROOT};
 use crate::request::Endpoint;
 use crate::value::{OwnedValue, Value};
@@ -102,19 +105,115 @@ fn output_format(
         "text" => Ok(None),
         "json_object" => Ok(Some(constraint("json_object", Value::Null, path))),
         "json_schema" => json_schema(),
-        other => Err(value_error(
-            &path.key("type"),
-            format!(
-                "unsupported {what} type '{}': expected text, json_object or json_schema",
-                clip(other)
-            ),
-        )),
+        other => {
+            let also = if what == "response_format" {
+                ", json_schema or structural_tag"
+            } else {
+                " or json_schema"
+            };
+            Err(value_error(
+                &path.key("type"),
+                format!(
+                    "unsupported {what} type '{}': expected text, json_object{also}",
+                    clip(other)
+                ),
+            ))
+        }
     }
+}
+
+/// A structural tag: `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`
+/// (vLLM's form, which its llguidance backend serves). The text is free until a
+/// trigger appears; from there a structure's `begin`, JSON valid for its `schema`, and
+/// its `end` are forced. Each `begin` must start with one of the triggers. The `format`
+/// form (xgrammar's tag tree) is refused by name.
+fn structural_tag(v: &Value<'_>, path: &Path<'_>) -> Result<OwnedValue> {
+    object(v, path)?;
+    if present(v.get("format")).is_some() {
+        return Err(value_error(
+            &path.key("format"),
+            "the 'format' form of structural tags is not supported: give 'structures' \
+             (begin, schema, end) and 'triggers'",
+        ));
+    }
+    let tp = path.key("triggers");
+    let items = array(present(v.get("triggers")).ok_or_else(|| missing(&tp))?, &tp)?;
+    let mut triggers = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = tp.index(i);
+        let t = string(item, &at)?;
+        if t.is_empty() {
+            return Err(value_error(&at, "a trigger must not be empty"));
+        }
+        triggers.push(t);
+    }
+    if triggers.is_empty() {
+        return Err(value_error(&tp, "'triggers' must not be empty"));
+    }
+    let sp = path.key("structures");
+    let items = array(
+        present(v.get("structures")).ok_or_else(|| missing(&sp))?,
+        &sp,
+    )?;
+    if items.is_empty() {
+        return Err(value_error(&sp, "'structures' must not be empty"));
+    }
+    let mut structures = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = sp.index(i);
+        object(item, &at)?;
+        let text = |key: &'static str| -> Result<OwnedValue> {
+            let kp = at.key(key);
+            Ok(s(string(
+                present(item.get(key)).ok_or_else(|| missing(&kp))?,
+                &kp,
+            )?))
+        };
+        let (begin, end) = (text("begin")?, text("end")?);
+        let begin_text = match &begin {
+            Value::String(b) => b.as_ref(),
+            _ => "",
+        };
+        if !triggers.iter().any(|t| begin_text.starts_with(t)) {
+            return Err(value_error(
+                &at.key("begin"),
+                format!(
+                    "'begin' ('{}') must start with one of 'triggers'",
+                    clip(begin_text)
+                ),
+            ));
+        }
+        let kp = at.key("schema");
+        let schema = schema(
+            present(item.get("schema")).ok_or_else(|| missing(&kp))?,
+            &kp,
+            false,
+        )?;
+        structures.push(obj(vec![
+            ("begin", begin),
+            ("schema", schema),
+            ("end", end),
+        ]));
+    }
+    Ok(obj(vec![
+        ("structures", Value::Array(structures)),
+        (
+            "triggers",
+            Value::Array(triggers.into_iter().map(s).collect()),
+        ),
+    ]))
 }
 
 /// `response_format` (chat, completions): the schema nested under `json_schema`; one
 /// without a schema constrains to any object.
 fn response_format(v: &Value<'_>, path: &Path<'_>) -> Result<Option<OwnedValue>> {
+    if typed(v, path)? == "structural_tag" {
+        return Ok(Some(constraint(
+            "structural_tag",
+            structural_tag(v, path)?,
+            path,
+        )));
+    }
     output_format(v, path, "response_format", || {
         let jp = path.key("json_schema");
         let inner = present(v.get("json_schema")).ok_or_else(|| missing(&jp))?;
@@ -174,21 +273,31 @@ fn structured_outputs(v: &Value<'_>, path: &Path<'_>) -> Result<Option<OwnedValu
             found.push(constraint("json_object", Value::Null, &p));
         }
     }
-    if present(v.get("structural_tag")).is_some() {
-        return Err(value_error(
-            &path.key("structural_tag"),
-            "structural tags are not supported: use json, regex, choice or grammar",
-        ));
+    if let Some(x) = present(v.get("structural_tag")) {
+        // vLLM's field is the tag's JSON text; an object is taken as well.
+        let p = path.key("structural_tag");
+        let spec = match x {
+            Value::String(text) => {
+                let parsed = parse_str(text, &Limits::default()).map_err(|e| {
+                    value_error(&p, format!("'{}' is not valid JSON: {e}", p.render()))
+                })?;
+                structural_tag(&parsed, &p)?
+            }
+            other => structural_tag(other, &p)?,
+        };
+        found.push(constraint("structural_tag", spec, &p));
     }
     match found.len() {
         0 => Err(value_error(
             path,
-            "'structured_outputs' must set one of json, regex, choice, grammar or json_object",
+            "'structured_outputs' must set one of json, regex, choice, grammar, json_object or \
+             structural_tag",
         )),
         1 => Ok(found.pop()),
         _ => Err(value_error(
             path,
-            "'structured_outputs' may set only one of json, regex, choice, grammar or json_object",
+            "'structured_outputs' may set only one of json, regex, choice, grammar, json_object \
+             or structural_tag",
         )),
     }
 }

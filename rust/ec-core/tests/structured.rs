@@ -35,6 +35,8 @@ fn accepted_shapes_normalize() {
         (Endpoint::Chat, chat(&format!(r#"{tools},"tool_choice":{{"type":"function","function":{{"name":"get_weather"}}}},"parallel_tool_calls":false"#)), "/structured", json!({"constraint": null, "tools": [{"name": "get_weather", "description": "d", "parameters": {"type": "object"}, "strict": false}], "tool_choice": "function", "tool_name": "get_weather", "parallel_tool_calls": false})),
         (Endpoint::Responses, responses(r#""tools":[{"type":"function","name":"f","parameters":{"type":"object"}}],"tool_choice":{"type":"function","name":"f"}"#), "/structured/tool_name", json!("f")),
         (Endpoint::Chat, chat(r#""response_format":{"type":"text"},"tool_choice":"none""#), "/structured", json!(null)),
+        (Endpoint::Chat, chat(r#""response_format":{"type":"structural_tag","structures":[{"begin":"<f=a>","schema":{"type":"object"},"end":"</f>"}],"triggers":["<f="]}"#), "/structured/constraint", json!({"kind": "structural_tag", "spec": {"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f="]}, "param": "response_format"})),
+        (Endpoint::Completions, r#"{"prompt":"x","structured_outputs":{"structural_tag":"{\"structures\":[{\"begin\":\"<f>\",\"schema\":true,\"end\":\"\"}],\"triggers\":[\"<f\"]}"}}"#.into(), "/structured/constraint", json!({"kind": "structural_tag", "spec": {"structures": [{"begin": "<f>", "schema": true, "end": ""}], "triggers": ["<f"]}, "param": "structured_outputs.structural_tag"})),
         (Endpoint::Responses, responses(r#""tool_choice":"auto""#), "/structured", json!(null)),
     ];
     for (endpoint, body, pointer, want) in rows {
@@ -59,6 +61,12 @@ fn bad_shapes_name_their_path() {
         (Endpoint::Chat, chat(r#""structured_outputs":{"choice":["a",1]}"#), "structured_outputs.choice[1]"),
         (Endpoint::Chat, chat(r#""structured_outputs":{"regex":5}"#), "structured_outputs.regex"),
         (Endpoint::Chat, chat(r#""structured_outputs":{"structural_tag":"x"}"#), "structured_outputs.structural_tag"),
+        (Endpoint::Chat, chat(r#""structured_outputs":{"structural_tag":{"structures":[],"triggers":["<f"]}}"#), "structured_outputs.structural_tag.structures"),
+        (Endpoint::Chat, chat(r#""structured_outputs":{"structural_tag":"{\"structures\":[{\"begin\":\"<g>\",\"schema\":{},\"end\":\"</g>\"}],\"triggers\":[\"<f\"]}"}"#), "structured_outputs.structural_tag.structures[0].begin"),
+        (Endpoint::Chat, chat(r#""response_format":{"type":"structural_tag","structures":[{"begin":"<f>","end":"</f>"}],"triggers":["<f"]}"#), "response_format.structures[0].schema"),
+        (Endpoint::Chat, chat(r#""response_format":{"type":"structural_tag","structures":[{"begin":"<f>","schema":{},"end":"</f>"}],"triggers":[]}"#), "response_format.triggers"),
+        (Endpoint::Chat, chat(r#""response_format":{"type":"structural_tag","format":{"type":"triggered_tags"}}"#), "response_format.format"),
+        (Endpoint::Responses, responses(r#""text":{"format":{"type":"structural_tag","structures":[],"triggers":[]}}"#), "text.format.type"),
         (Endpoint::Chat, chat(r#""response_format":{"type":"json_object"},"structured_outputs":{"regex":"a"}"#), "structured_outputs"),
         (Endpoint::Responses, responses(r#""text":{"format":{"type":"json_schema","name":"x"}}"#), "text.format.schema"),
         (Endpoint::Chat, chat(r#""tools":[]"#), "tools"),
