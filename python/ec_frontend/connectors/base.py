@@ -59,6 +59,11 @@ class ECConnectorBase(ABC):
 
     Producers save the encoder outputs they compute; consumers load encoder
     outputs computed elsewhere. ``ec_both`` does both.
+
+    The two halves of one engine share state only through the object that
+    :meth:`create_shared` returns: the factory
+    (:func:`~ec_frontend.connectors.factory.create_ec_connectors`) creates it
+    once and passes it to both; a half created alone gets its own.
     """
 
     def __init__(self, config: ECTransferConfig | None, role: ECConnectorRole) -> None:
@@ -66,6 +71,17 @@ class ECConnectorBase(ABC):
         self.role = role
         self.stats = ECConnectorStats()
         self._metadata: ECConnectorMetadata | None = None
+
+    @classmethod
+    def create_shared(cls, config: ECTransferConfig) -> Any:
+        """What the scheduler and worker halves of one engine share (a server, a store
+        client, transfers in flight), or ``None``. Called once per engine; the object
+        guards its own fields with its own lock where threads meet."""
+        return None
+
+    def close(self) -> None:
+        """Release sockets, threads and native clients (idempotent; default: nothing)."""
+        return None
 
     @property
     def is_producer(self) -> bool:

@@ -46,8 +46,10 @@ key                environment                                      default
 ``max_item_bytes``                                                  ``256 MiB``
 =================  ===============================================  ============
 
-Both halves of one engine share one store and one server (they live in one
-process). Hashes that are not lower-case hex are refused at both ends.
+Both halves of one engine share one store, one server and the pulls in flight
+(one :class:`~ec_frontend.connectors.ec_side_channel_store.SideChannelShared`,
+passed to each by the connector factory). Hashes that are not lower-case hex
+are refused at both ends.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from ec_frontend.connectors.base import (
     ECLoadSpec,
 )
 from ec_frontend.connectors.ec_item_params import item_fields
-from ec_frontend.connectors.ec_side_channel_store import staging_for, store_for
+from ec_frontend.connectors.ec_side_channel_store import SideChannelShared
 from ec_frontend.connectors.side_channel_wire import (
     WireError,
     env_setting,
@@ -160,19 +162,31 @@ def parse_peer(entry: Any, settings: Settings) -> Peer | None:
 class ECSideChannelConnector(ECConnectorBase):
     """Encoder outputs served over TCP by the producer and pulled by the consumer."""
 
-    def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
+    def __init__(
+        self,
+        config: ECTransferConfig,
+        role: ECConnectorRole,
+        shared: SideChannelShared | None = None,
+    ) -> None:
         super().__init__(config, role)
         self.settings = _settings(config)
         self.trust = config.trust
-        self.store = store_for(config, self.settings) if self.is_producer else None
+        if shared is None:
+            shared = SideChannelShared.create(config, self.settings)
+        self.shared = shared
+        self.store = self.shared.store
         self._pending: list[ECLoadSpec] = []
         self._trusted: dict[str, dict[str, Peer]] = {}
         self.params_rejected = 0
         self._peers: dict[str, Peer] = {}
         self._loading: dict[str, set[str]] = {}
         self._prefetched: dict[str, set[str]] = {}
-        self.staging = staging_for(config) if self.is_consumer else None
+        self.staging = self.shared.staging
         self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def create_shared(cls, config: ECTransferConfig) -> SideChannelShared:
+        return SideChannelShared.create(config, _settings(config))
 
     # ---- scheduler side -------------------------------------------------
 
@@ -403,5 +417,4 @@ class ECSideChannelConnector(ECConnectorBase):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         with contextlib.suppress(Exception):
-            if self.store is not None:
-                self.store.server.close()
+            self.shared.close()

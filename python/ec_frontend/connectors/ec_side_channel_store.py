@@ -1,8 +1,8 @@
 """The EC side channel's shared state: the producer's item store and the consumer's pulls.
 
-Both halves of one engine (scheduler and worker) live in one process and
-share these objects, found by the engine's transfer config (:func:`store_for`,
-:func:`staging_for`). The store serves its items over the side channel
+Both halves of one engine (scheduler and worker) share these objects through
+one :class:`SideChannelShared`, which the connector factory creates per engine
+and passes to each half. The store serves its items over the side channel
 (``get_ec`` sends an item once, then frees it; ``release`` frees it unsent);
 an item also leaves when the store is over its bounds (oldest first) or when
 it outlived ``ttl_s``.
@@ -96,9 +96,9 @@ class ItemStore:
 
     def take_done(self) -> set[str]:
         """Requests none of whose items is still in the store; forgets them."""
-        if not self.waiting:
-            return set()
         with self.lock:
+            if not self.waiting:
+                return set()
             self._expire()
             done = {r for r, hs in self.waiting.items() if not any(h in self.items for h in hs)}
             for rid in done:
@@ -175,32 +175,26 @@ class PullStaging:
                         del self.fetches[mm_hash]
 
 
-#: One store and one staging area per engine (keyed by its transfer config
-#: object, which both halves share).
-_STORES: dict[int, tuple[ECTransferConfig, ItemStore]] = {}
-_STAGINGS: dict[int, tuple[ECTransferConfig, PullStaging]] = {}
-_STORES_LOCK = threading.Lock()
+@dataclass(slots=True)
+class SideChannelShared:
+    """What both halves of one engine share: the producer's store, the consumer's pulls."""
 
+    store: ItemStore | None
+    staging: PullStaging | None
 
-def store_for(config: ECTransferConfig, settings: Settings) -> ItemStore:
-    with _STORES_LOCK:
-        entry = _STORES.get(id(config))
-        if entry is None or entry[0] is not config:
+    @classmethod
+    def create(cls, config: ECTransferConfig, settings: Settings) -> SideChannelShared:
+        store = None
+        if config.is_producer:
             try:
-                entry = (config, ItemStore(settings, config.trust.secret))
+                store = ItemStore(settings, config.trust.secret)
             except OSError as exc:
                 raise ConfigError(
                     f"EC side channel cannot listen on {settings.host}:{settings.port}: {exc}",
                     "ec_connector_extra_config.port",
                 ) from None
-            _STORES[id(config)] = entry
-        return entry[1]
+        return cls(store, PullStaging() if config.is_consumer else None)
 
-
-def staging_for(config: ECTransferConfig) -> PullStaging:
-    with _STORES_LOCK:
-        entry = _STAGINGS.get(id(config))
-        if entry is None or entry[0] is not config:
-            entry = (config, PullStaging())
-            _STAGINGS[id(config)] = entry
-        return entry[1]
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.server.close()

@@ -3,12 +3,17 @@
 Optional transports stay unimported (and their dependencies uninstalled) until a
 configuration names them. ``register_*`` adds a name at run time, for plugins
 and tests.
+
+An engine gets both halves of a connector from :func:`create_ec_connectors` /
+:func:`create_kv_connectors`: the connector's shared state (``create_shared``) is
+created once and handed to both, so two engines in one process never share
+anything, even when built from the same config object.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
 from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
@@ -65,15 +70,43 @@ def _load(registry: dict[str, str], name: str, kind: str, param: str) -> type:
     return cls
 
 
-def create_ec_connector(config: ECTransferConfig, role: ECConnectorRole) -> ECConnectorBase:
+def _ec_class(config: ECTransferConfig) -> type[ECConnectorBase]:
     cls = _load(_EC_CONNECTORS, config.ec_connector, "EC", "ec_connector")
     if not issubclass(cls, ECConnectorBase):
         raise ConfigError(f"{config.ec_connector} is not an EC connector", "ec_connector")
-    return cls(config, role)
+    return cls
 
 
-def create_kv_connector(config: KVTransferConfig, role: KVConnectorRole) -> KVConnectorBase:
+def _kv_class(config: KVTransferConfig) -> type[KVConnectorBase]:
     cls = _load(_KV_CONNECTORS, config.kv_connector, "KV", "kv_connector")
     if not issubclass(cls, KVConnectorBase):
         raise ConfigError(f"{config.kv_connector} is not a KV connector", "kv_connector")
-    return cls(config, role)
+    return cls
+
+
+def create_ec_connector(config: ECTransferConfig, role: ECConnectorRole) -> ECConnectorBase:
+    """One half on its own (with state of its own)."""
+    return _ec_class(config)(config, role)
+
+
+def create_kv_connector(config: KVTransferConfig, role: KVConnectorRole) -> KVConnectorBase:
+    """One half on its own (with state of its own)."""
+    return _kv_class(config)(config, role)
+
+
+def _halves(cls: type, config: Any, roles: tuple[Any, Any]) -> tuple[Any, Any]:
+    shared = cls.create_shared(config)
+    extra = {} if shared is None else {"shared": shared}
+    return cls(config, roles[0], **extra), cls(config, roles[1], **extra)
+
+
+def create_ec_connectors(config: ECTransferConfig) -> tuple[ECConnectorBase, ECConnectorBase]:
+    """``(scheduler half, worker half)`` of one engine, sharing one state object."""
+    roles = (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER)
+    return _halves(_ec_class(config), config, roles)
+
+
+def create_kv_connectors(config: KVTransferConfig) -> tuple[KVConnectorBase, KVConnectorBase]:
+    """``(scheduler half, worker half)`` of one engine, sharing one state object."""
+    roles = (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+    return _halves(_kv_class(config), config, roles)

@@ -57,6 +57,18 @@ class KVConnectorBase(ABC):
         self.role = role
         self._metadata: KVConnectorMetadata | None = None
 
+    @classmethod
+    def create_shared(cls, config: KVTransferConfig) -> Any:
+        """What the scheduler and worker halves of one engine share (held KV, transfers
+        in flight, a server or transfer engine), or ``None``. The factory
+        (:func:`~ec_frontend.connectors.factory.create_kv_connectors`) calls it once per
+        engine and passes the result to both halves; a half created alone gets its own."""
+        return None
+
+    def close(self) -> None:
+        """Release sockets, threads and native clients (idempotent; default: nothing)."""
+        return None
+
     @property
     def is_producer(self) -> bool:
         return self.config is not None and self.config.is_producer

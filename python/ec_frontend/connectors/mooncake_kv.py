@@ -44,40 +44,20 @@ binds, default ``127.0.0.1``), ``ttl_s`` (default 30), ``timeout_s`` (default 10
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ec_frontend.connectors.kv_base import (
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVLoadResult,
-)
-from ec_frontend.connectors.kv_transfer_params import (
-    RemotePrefill,
-    parse_remote_prefill,
-    prompt_hash,
-)
+from ec_frontend.connectors.kv_pull import Hold, KVPullConnector, PullLoad, PullState
+from ec_frontend.connectors.kv_transfer_params import RemotePrefill
 from ec_frontend.connectors.mooncake_common import import_mooncake, positive_float
-from ec_frontend.connectors.transfer_trust import (
-    TOKEN_KEY,
-    check_entry,
-    loggable,
-    new_token,
-    signed,
-)
 from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
     from ec_frontend.engine.config import KVTransferConfig
     from ec_frontend.engine.request import Request
-    from ec_frontend.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -123,26 +103,20 @@ def parse_layout(params: dict[str, Any]) -> RemoteLayout | str:
 
 
 @dataclass(slots=True)
-class _Load:
-    request_id: str
-    block_ids: list[int]
-    remote: RemotePrefill
-    layout: RemoteLayout
-    started: float = 0.0
+class _Load(PullLoad):
+    layout: RemoteLayout | None = None
+
+    def __init__(
+        self, request_id: str, block_ids: list[int], remote: RemotePrefill, layout: RemoteLayout
+    ) -> None:
+        PullLoad.__init__(self, request_id, block_ids, remote)
+        self.layout = layout
 
 
 @dataclass(slots=True)
-class MooncakeKVMetadata(KVConnectorMetadata):
-    loads: list[_Load] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Hold:
-    block_ids: list[int]
-    num_tokens: int
-    expires: float
-    slot: int
-    value: int
+class _Hold(Hold):
+    slot: int = 0
+    value: int = 0
 
 
 def read_plan(
@@ -171,28 +145,31 @@ def read_plan(
     return dst, src, lengths
 
 
-class _State:
-    """One Transfer Engine per engine process, shared by both connector halves."""
+class _State(PullState):
+    """One Transfer Engine per engine, shared by both connector halves."""
 
     def __init__(self, config: KVTransferConfig) -> None:
         extra = config.kv_connector_extra_config
         engine_module = import_mooncake("engine")
-        self.protocol = extra.get("protocol", "tcp")
-        if self.protocol not in ("tcp", "rdma"):
+        protocol = extra.get("protocol", "tcp")
+        if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"{PREFIX}.protocol must be tcp or rdma", f"{PREFIX}.protocol")
-        self.host = extra.get("host", "127.0.0.1")
+        host = extra.get("host", "127.0.0.1")
         device = extra.get("device_name", "")
-        if not isinstance(self.host, str) or not self.host or not isinstance(device, str):
+        if not isinstance(host, str) or not host or not isinstance(device, str):
             raise ConfigError(f"{PREFIX}.host must be a host name or address", f"{PREFIX}.host")
-        self.ttl_s = positive_float(extra, "ttl_s", 30.0, PREFIX)
-        self.timeout_s = positive_float(extra, "timeout_s", 10.0, PREFIX)
+        super().__init__(
+            config,
+            ttl_s=positive_float(extra, "ttl_s", 30.0, PREFIX),
+            timeout_s=positive_float(extra, "timeout_s", 10.0, PREFIX),
+        )
+        self.protocol, self.host = protocol, host
         self.unsigned = extra.get("allow_unsigned_params", False)
         if not isinstance(self.unsigned, bool):
             raise ConfigError(
                 f"{PREFIX}.allow_unsigned_params must be a boolean",
                 f"{PREFIX}.allow_unsigned_params",
             )
-        self.engine_id = config.engine_id or uuid.uuid4().hex
         self.engine = engine_module.TransferEngine()
         ret = self.engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, device)
         if ret != 0:
@@ -201,17 +178,9 @@ class _State:
                 PREFIX,
             )
         self.port = int(self.engine.get_rpc_port())
-        self.lock = threading.Lock()
-        self.kv_caches: list[torch.Tensor] | None = None
         #: Completion slots decode writes into (prefill); the value decode writes (decode).
         self.done = torch.zeros(NUM_DONE_SLOTS, dtype=torch.int64)
         self.free_slots = list(range(NUM_DONE_SLOTS - 1, -1, -1))
-        self.holds: dict[str, _Hold] = {}
-        self.sent: set[str] = set()
-        self.tokens_sent = 0
-        self.inflight: dict[str, tuple[Future[None], _Load]] = {}
-        self.results: dict[str, KVLoadResult] = {}
-        self.cancelled: set[str] = set()
         self._register(self.done)
 
     def _register(self, tensor: torch.Tensor) -> None:
@@ -222,9 +191,9 @@ class _State:
 
     def bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Register the KV cache with the engine (once; the runner's tensors never move)."""
-        if self.kv_caches is kv_caches or not kv_caches:
-            return
         with self.lock:
+            if self.kv_caches is kv_caches or not kv_caches:
+                return
             if self.kv_caches is not None:
                 raise RuntimeError("the KV cache tensors changed after registration")
             for kv in kv_caches:
@@ -237,7 +206,7 @@ class _State:
             return 0
         return int(kv[0, 0].numel() * kv.element_size())
 
-    def release_done(self) -> None:
+    def release(self) -> None:
         """Free holds whose decode reported completion, and those past their TTL."""
         now = time.monotonic()
         with self.lock:
@@ -245,178 +214,70 @@ class _State:
                 read = int(self.done[hold.slot]) == hold.value
                 if not read and hold.expires > now:
                     continue
-                if read:
-                    self.tokens_sent += hold.num_tokens
-                else:
+                if not read:
                     logger.warning("KV of %s not read in %.1fs: freed", rid, self.ttl_s)
-                del self.holds[rid]
+                self.free_hold(rid, sent=read)
                 self.done[hold.slot] = 0
                 self.free_slots.append(hold.slot)
-                self.sent.add(rid)
+
+    #: The name the benchmark uses for :meth:`release`.
+    release_done = release
 
 
-_STATES: dict[int, tuple[KVTransferConfig, _State]] = {}
-_STATES_LOCK = threading.Lock()
-
-
-def _state_for(config: KVTransferConfig) -> _State:
-    with _STATES_LOCK:
-        entry = _STATES.get(id(config))
-        if entry is None or entry[0] is not config:
-            entry = (config, _State(config))
-            _STATES[id(config)] = entry
-        return entry[1]
-
-
-class MooncakeConnector(KVConnectorBase):
+class MooncakeConnector(KVPullConnector):
     """Decode reads prefill's held KV blocks one-sided through the Transfer Engine."""
 
-    hands_over_sampled_token = True
+    state: _State
+    thread_name = "kv-read"
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole) -> None:
-        super().__init__(config, role)
-        self.state = _state_for(config)
-        self._remote: dict[str, RemotePrefill] = {}
-        self._layouts: dict[str, RemoteLayout] = {}
-        self._loads: list[_Load] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._recving: set[str] = set()
-        self.local_prefill_fallbacks = 0
-        self.params_rejected = 0
+    @classmethod
+    def create_shared(cls, config: KVTransferConfig) -> _State:
+        return _State(config)
 
-    # ---- scheduler side -------------------------------------------------
+    # ---- the transport ----------------------------------------------------
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        known = self._remote.get(request.request_id)
-        if known is not None:
-            return known.num_tokens - num_computed_tokens, True
-        params = request.kv_transfer_params
-        if not self.is_consumer or params is None or params.get("do_remote_prefill") is not True:
-            return 0, False
-        request.kv_transfer_params = None
-        remote = parse_remote_prefill(params, request)
+    def check_params(self, params: dict[str, Any], remote: RemotePrefill) -> RemoteLayout | str:
         layout = parse_layout(params)
-        if isinstance(layout, str) and not isinstance(remote, str):
-            remote = layout
-        if (
-            not isinstance(remote, str)
-            and self.config.trust.secret is None
-            and not self.state.unsigned
-        ):
-            remote = "unsigned (set a transfer secret, or allow_unsigned_params on a trusted host)"
-        if not isinstance(remote, str):
-            reason = check_entry(
-                self.config.trust, "kv", remote.request_id, params, remote.host, remote.port
-            )
-            if reason is not None:
-                self.params_rejected += 1
-                remote = f"refused: {reason} ({loggable(remote.host)}:{remote.port})"
-        if isinstance(remote, str) or isinstance(layout, str):
-            self.local_prefill_fallbacks += 1
-            logger.warning(
-                "request %s: kv_transfer_params unusable (%s); computing the prompt locally",
-                request.request_id,
-                remote,
-            )
-            return 0, False
-        self._remote[request.request_id] = remote
-        self._layouts[request.request_id] = layout
-        return remote.num_tokens - num_computed_tokens, True
+        refuse_unsigned = self.config.trust.secret is None and not self.state.unsigned
+        if not isinstance(layout, str) and refuse_unsigned:
+            return "unsigned (set a transfer secret, or allow_unsigned_params on a trusted host)"
+        return layout
 
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        rid = request.request_id
-        remote = self._remote.get(rid)
-        if remote is None or num_external_tokens <= 0:
-            return
-        self._loads.append(_Load(rid, list(block_ids), remote, self._layouts[rid]))
+    def make_load(
+        self, rid: str, block_ids: list[int], remote: RemotePrefill, extra: RemoteLayout
+    ) -> _Load:
+        return _Load(rid, block_ids, remote, extra)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = MooncakeKVMetadata(loads=self._loads)
-        self._loads = []
-        return meta
-
-    def get_load_result(self, request: Request) -> KVLoadResult | None:
-        remote = self._remote.pop(request.request_id, None)
-        self._layouts.pop(request.request_id, None)
-        with self.state.lock:
-            result = self.state.results.pop(request.request_id, None)
-        if result is not None and remote is not None and result.error is None:
-            result.first_token_id = remote.first_token_id
-        return result
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        state = self.state
-        if self._remote.pop(rid, None) is not None:
-            self._layouts.pop(rid, None)
-            with state.lock:
-                state.cancelled.add(rid)
-                state.results.pop(rid, None)
-        params = request.kv_transfer_params
-        if (
-            not self.is_producer
-            or state.kv_caches is None
-            or params is None
-            or params.get("do_remote_decode") is not True
-            or request.status.finish_reason not in ("stop", "length")
-            or not request.output_token_ids
-            or request.num_computed_tokens < request.num_prompt_tokens
-            or not block_ids
-        ):
-            return False, None
-        token = new_token()
+    def hold_params(
+        self, request: Request, block_ids: list[int], token: str
+    ) -> dict[str, Any] | None:
+        state, rid = self.state, request.request_id
         with state.lock:
+            caches = state.kv_caches
+            if caches is None:
+                return None
             if not state.free_slots:
                 logger.warning("request %s: every KV completion slot is in use", rid)
-                return False, None
+                return None
             slot = state.free_slots.pop()
             state.done[slot] = 0
-            value = done_value(token)
             expires = time.monotonic() + state.ttl_s
             state.holds[rid] = _Hold(
-                list(block_ids), request.num_prompt_tokens, expires, slot, value
+                block_ids, request.num_prompt_tokens, expires, token, slot, done_value(token)
             )
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": state.engine_id,
-            "remote_request_id": rid,
-            "remote_block_ids": list(block_ids),
+        return {
             "remote_host": state.host,
             "remote_port": state.port,
-            "remote_num_tokens": request.num_prompt_tokens,
-            "first_token_id": request.output_token_ids[0],
-            "mrope_position_delta": request.mrope_position_delta,
-            "prompt_hash": prompt_hash(request.prompt_token_ids),
-            TOKEN_KEY: token,
-            "remote_kv_addrs": [kv.data_ptr() for kv in state.kv_caches],
-            "remote_num_blocks": int(state.kv_caches[0].shape[1]),
+            "remote_kv_addrs": [kv.data_ptr() for kv in caches],
+            "remote_num_blocks": int(caches[0].shape[1]),
             "remote_block_bytes": state.block_bytes(),
             "remote_done_addr": state.done.data_ptr() + slot * state.done.element_size(),
         }
-        return True, signed(self.config.trust.secret, "kv", rid, params, state.ttl_s)
 
-    # ---- worker side ----------------------------------------------------
+    def overran(self, load: _Load, now: float) -> bool:
+        return now - load.started > self.state.timeout_s
 
-    def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        state = self.state
-        state.bind_caches(kv_caches)
-        meta = self._metadata
-        for load in getattr(meta, "loads", ()):
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-read")
-            load.started = time.monotonic()
-            future = self._pool.submit(self._read, load, kv_caches)
-            with state.lock:
-                state.inflight[load.request_id] = (future, load)
-
-    def _read(self, load: _Load, kv_caches: list[torch.Tensor]) -> None:
+    def transfer(self, load: _Load, kv_caches: list[torch.Tensor]) -> None:
         state, layout = self.state, load.layout
         if layout.block_bytes != state.block_bytes() or len(layout.kv_addrs) != len(kv_caches):
             raise RuntimeError(
@@ -451,59 +312,5 @@ class MooncakeConnector(KVConnectorBase):
                 state.done[slot] = 0
                 state.free_slots.append(slot)
 
-    def wait_for_load(self) -> None:
-        """Reports the reads that ended (or overran ``timeout_s``); others stay parked."""
-        state = self.state
-        now = time.monotonic()
-        with state.lock:
-            done = [
-                (rid, f, ld)
-                for rid, (f, ld) in state.inflight.items()
-                if f.done() or now - ld.started > state.timeout_s
-            ]
-            for rid, _, _ in done:
-                del state.inflight[rid]
-        for rid, future, load in done:
-            with state.lock:
-                if rid in state.cancelled:
-                    state.cancelled.discard(rid)
-                    continue
-            if not future.done():
-                error: BaseException | None = TimeoutError(f"no answer in {state.timeout_s:g}s")
-            else:
-                error = future.exception()
-            if error is None:
-                result = KVLoadResult()
-            else:
-                remote = load.remote
-                origin = "signed" if self.config.trust.secret else "unverified"
-                result = KVLoadResult(
-                    error=f"KV transfer from the prefill instance {remote.host}:{remote.port} "
-                    f"({origin} kv_transfer_params) failed: {error}"
-                )
-                logger.warning("request %s: %s", rid, result.error)
-            with state.lock:
-                state.results[rid] = result
-                self._recving.add(rid)
-
-    def save_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        self.state.bind_caches(kv_caches)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        state = self.state
-        state.release_done()
-        with state.lock:
-            sent, state.sent = state.sent, set()
-            recving, self._recving = self._recving, set()
-        return (sent or None), (recving or None)
-
-    # ---- observability --------------------------------------------------
-
-    @property
-    def num_tokens_sent(self) -> int:
-        return self.state.tokens_sent
-
-    @property
-    def num_requests_held(self) -> int:
-        with self.state.lock:
-            return len(self.state.holds)
+    #: The name tests and the benchmark use for :meth:`transfer`.
+    _read = transfer

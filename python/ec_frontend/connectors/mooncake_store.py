@@ -52,7 +52,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -370,27 +369,23 @@ class EmbeddingStore:
         return found
 
 
-_STORES: dict[int, tuple[ECTransferConfig, EmbeddingStore]] = {}
-_STORES_LOCK = threading.Lock()
-
-
-def _store_for(config: ECTransferConfig) -> EmbeddingStore:
-    with _STORES_LOCK:
-        entry = _STORES.get(id(config))
-        if entry is None or entry[0] is not config:
-            settings = StoreSettings.from_extra(config.ec_connector_extra_config)
-            entry = (config, EmbeddingStore(settings))
-            _STORES[id(config)] = entry
-        return entry[1]
-
-
 class MooncakeStoreECConnector(ECConnectorBase):
     """Encoder outputs in Mooncake Store under vLLM's key namespace."""
 
-    def __init__(self, config: ECTransferConfig, role: ECConnectorRole) -> None:
+    def __init__(
+        self,
+        config: ECTransferConfig,
+        role: ECConnectorRole,
+        shared: EmbeddingStore | None = None,
+    ) -> None:
         super().__init__(config, role)
-        self.store = _store_for(config)
+        self.store = shared if shared is not None else self.create_shared(config)
         self._pending: list[ECLoadSpec] = []
+
+    @classmethod
+    def create_shared(cls, config: ECTransferConfig) -> EmbeddingStore:
+        """One Store client per engine: both halves use it."""
+        return EmbeddingStore(StoreSettings.from_extra(config.ec_connector_extra_config))
 
     # ---- scheduler side -------------------------------------------------
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
-from ec_frontend.connectors.factory import create_ec_connector, create_kv_connector
-from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
+from ec_frontend.connectors.factory import create_ec_connectors, create_kv_connectors
+from ec_frontend.connectors.kv_base import KVConnectorBase
 from ec_frontend.connectors.noop import NoOpECConnector
 from ec_frontend.engine.config import EngineConfig
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer
@@ -70,15 +70,13 @@ class EngineCore:
         if ec_connectors is not None:
             ec_sched, ec_worker = ec_connectors
         elif config.ec_transfer is not None:
-            ec_sched = create_ec_connector(config.ec_transfer, ECConnectorRole.SCHEDULER)
-            ec_worker = create_ec_connector(config.ec_transfer, ECConnectorRole.WORKER)
+            ec_sched, ec_worker = create_ec_connectors(config.ec_transfer)
         kv_sched: KVConnectorBase | None = None
         kv_worker: KVConnectorBase | None = None
         if kv_connectors is not None:
             kv_sched, kv_worker = kv_connectors
         elif config.kv_transfer is not None:
-            kv_sched = create_kv_connector(config.kv_transfer, KVConnectorRole.SCHEDULER)
-            kv_worker = create_kv_connector(config.kv_transfer, KVConnectorRole.WORKER)
+            kv_sched, kv_worker = create_kv_connectors(config.kv_transfer)
 
         block_size = config.cache.block_size
         kv_cache: KVCacheManager | None = None
