@@ -25,7 +25,9 @@ steps and while idle), so a killed server leaves no orphan behind.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -257,6 +260,10 @@ class EngineProcess:
     @classmethod
     def launch(cls, spec: EngineSpec, num_clients: int = 1) -> EngineProcess:
         """Start the process; :meth:`wait_ready` waits for its model to load."""
+        try:
+            blob = _dumps(spec)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise StartupError(f"the engine config cannot be sent to its process: {exc}") from None
         directory = tempfile.mkdtemp(prefix="ec-engine-")
         read_fd, write_fd = os.pipe()
         code = "from ec_frontend.engine.core_proc import main; main()"
@@ -272,9 +279,9 @@ class EngineProcess:
         handle = cls(proc, directory, read_fd)
         try:
             assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.write(blob)
             proc.stdin.close()
-        except (BrokenPipeError, pickle.PicklingError) as exc:
+        except OSError as exc:
             handle.kill()
             raise StartupError(f"the engine process could not be given its config: {exc}") from None
         return handle
@@ -317,8 +324,12 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self.proc.poll() is None
 
-    def terminate(self, timeout: float = 5.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout``; the exit code."""
+    def terminate(self, timeout: float = 5.0, grace: float = 0.0) -> int | None:
+        """Wait ``grace`` seconds for the process to exit on its own (it was asked to),
+        then SIGTERM, then SIGKILL after ``timeout``; the exit code."""
+        if grace > 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
@@ -339,6 +350,21 @@ class EngineProcess:
 
     def _cleanup(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickle with read-only mappings (frozen configs hold them) as plain dicts inside."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    table = copyreg.dispatch_table.copy()
+    table[types.MappingProxyType] = _reduce_mappingproxy
+    pickler.dispatch_table = table
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def _reduce_mappingproxy(m: types.MappingProxyType[Any, Any]) -> tuple[Any, ...]:
+    return types.MappingProxyType, (dict(m),)
 
 
 # ---- the engine process ---------------------------------------------------------
@@ -372,6 +398,7 @@ def main() -> None:
     except SystemExit:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.close()
 
 

@@ -280,10 +280,11 @@ class MPEngineClient:
             if self._closing:
                 return
             self._closing = True
-        with contextlib.suppress(zmq.ZMQError):
-            self._send((SHUTDOWN,))
         if self.process is not None:
-            self.process.terminate(timeout)
+            # Only the client that started the engine stops it.
+            with contextlib.suppress(zmq.ZMQError):
+                self._send((SHUTDOWN,))
+            self.process.terminate(timeout, grace=min(2.0, timeout))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._ctx.destroy(linger=0)

@@ -143,6 +143,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="no model: tokens are echoed (for benchmarking the frontend alone)",
     )
     p.add_argument(
+        "--engine-mode",
+        choices=["multiprocess", "inprocess"],
+        default="multiprocess",
+        help="multiprocess: the engine core runs in its own process (the default); "
+        "inprocess: in a thread of the server process",
+    )
+    p.add_argument(
         "--mock-token-latency-ms",
         type=float,
         default=0.0,
@@ -299,6 +306,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         mock_engine=args.mock_engine,
+        engine_mode=args.engine_mode,
         mock_token_latency_s=args.mock_token_latency_ms / 1000.0,
         access_log=args.access_log,
         drain_timeout_s=args.drain_timeout,

@@ -63,6 +63,9 @@ class ServeOptions:
     log_level: str = "info"
     mock_engine: bool = False
     mock_token_latency_s: float = 0.0
+    #: ``multiprocess``: the engine core in its own process (``engine/core_proc.py``);
+    #: ``inprocess``: in a thread of the server process.
+    engine_mode: str = "multiprocess"
     access_log: bool = False
     drain_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
@@ -221,15 +224,32 @@ def serve(
         server_header=False,
     )
     server = DrainingServer(uv_config, core, opts.drain_timeout_s)
+    died: list[str] = []
+    watch = getattr(engine, "add_death_callback", None)
+    if watch is not None:
+        watch(lambda reason: _engine_died(server, died, reason))
     log.info("serving %s on http://%s:%d", ", ".join(names), opts.host, opts.port)
     try:
         server.run(sockets=sockets)
     finally:
         core.serving.shutdown()
         engine.shutdown()
-    if not server.started:
+    if not server.started or died:
         return 1
     return 0
+
+
+#: After the engine died: time for the failed streams to send their error events.
+_DEATH_GRACE_S = 0.25
+
+
+def _engine_died(server: uvicorn.Server, died: list[str], reason: str) -> None:
+    """The engine process is gone (called from the engine client's thread, after its
+    requests failed): stop serving and exit non-zero, so that a supervisor restarts."""
+    died.append(reason)
+    log.error("%s: the server exits", reason)
+    time.sleep(_DEATH_GRACE_S)
+    server.should_exit = True
 
 
 def _pick(preferred: str, fallback: str) -> str:

@@ -193,7 +193,7 @@ def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
     config, path = engine_config(opts)
     threads = cpu_threads(opts, builtin=config.model_id == _builtin_id())
     log.info("loading %s (%s, %s)", path, config.device or "auto device", config.dtype)
-    if getattr(opts, "engine_mode", "inprocess") == "multiprocess":
+    if opts.engine_mode == "multiprocess":
         from ec_frontend.engine.mp_client import MPEngineClient
 
         level = log.getEffectiveLevel()

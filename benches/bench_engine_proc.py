@@ -1,0 +1,308 @@
+"""The engine core in its own process vs in a thread of the server: streamed chat.
+
+For each model (the built-in tiny Qwen2-VL, and a mid-size Qwen2-VL config with
+``--load-format dummy`` weights) and each ``--engine-mode`` (``inprocess``,
+``multiprocess``), one ``ec-frontend serve`` process runs on loopback and serves
+streamed chat completions with one image (a different PNG per request, so the
+image processor and the vision encoder run every time), ``ignore_eos`` and
+``--max-tokens`` each, at concurrency 1, 8 and 32 (``concurrency`` client tasks
+pulling from a queue of ``max(2 x concurrency, --min-requests)`` requests).
+Measured per run: output tokens/s of wall time, TTFT and ITL p50/p99 from the
+client's clock (each SSE chunk with content is a token; the final usage chunk
+gives the token count), and CPU seconds per request of the server process
+(``/proc``; for multiprocess, of the frontend and engine processes apart).
+
+``--mock`` adds ``--mock-engine`` servers: frontend CPU per request of the
+multiprocess mock (the mock model behind the engine core in its own process)
+against the in-process mock engine.
+
+Both modes run in the same invocation, modes alternating per model, so
+background load hits both alike. Writes ``benches/results/bench_engine_proc.json``.
+
+Run: ``.venv/bin/python benches/bench_engine_proc.py [--max-tokens 48] [--mock]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import io
+import itertools
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benches" / "results" / "bench_engine_proc.json"
+MODES = ("inprocess", "multiprocess")
+CONCURRENCY = (1, 8, 32)
+#: The mid-size config: a Qwen2-VL of ~40M parameters (dummy weights).
+MID_SIZE = {
+    "hidden_size": 384,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "vision": {"depth": 4, "embed_dim": 128, "hidden_size": 384, "num_heads": 4},
+}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mid_size_checkpoint(builtin: Path, into: Path) -> Path:
+    """The built-in checkpoint's tokenizer and processor with a bigger config."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(builtin):
+        if not name.endswith(".safetensors"):
+            shutil.copy(builtin / name, into / name)
+    config = json.loads((builtin / "config.json").read_text())
+    vision = MID_SIZE["vision"]
+    config.update({k: v for k, v in MID_SIZE.items() if k != "vision"})
+    config["vision_config"].update(vision)
+    (into / "config.json").write_text(json.dumps(config))
+    return into
+
+
+def png_url(seed: int, size: int = 112) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class Server:
+    def __init__(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve"]
+        cmd += ["--port", str(self.port), "--log-level", "warning", "--served-model-name", "m"]
+        cmd += args
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd} exited: {self.proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            self.proc.kill()
+            raise RuntimeError(f"{cmd} did not start")
+        self.engine_pids = [c for c in children(self.proc.pid) if _is_engine(c)]
+
+    def cpu(self) -> tuple[float, float]:
+        """(frontend, engine) CPU seconds so far."""
+        return cpu_seconds(self.proc.pid), sum(cpu_seconds(p) for p in self.engine_pids)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        return b"core_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[float, list[float], int]:
+    """(TTFT, inter-token gaps, output tokens) of one streamed chat."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", ()):
+                if choice.get("delta", {}).get("content"):
+                    stamps.append(time.perf_counter())
+    if not stamps:
+        raise RuntimeError("no content came back")
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - start, gaps, tokens
+
+
+async def run_level(
+    server: Server, concurrency: int, requests: int, max_tokens: int, seed: int, image: bool
+) -> dict[str, Any]:
+    bodies = []
+    for i in range(requests):
+        content: list[dict[str, Any]] = [{"type": "text", "text": f"Describe image {i}."}]
+        if image:
+            content.insert(0, {"type": "image_url", "image_url": {"url": png_url(seed + i)}})
+        bodies.append(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    ttfts: list[float] = []
+    itls: list[float] = []
+    total = 0
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal total
+            while not queue.empty():
+                body = queue.get_nowait()
+                ttft, gaps, tokens = await one_request(client, server.url, body)
+                ttfts.append(ttft)
+                itls.extend(gaps)
+                total += tokens
+
+        cpu0 = server.cpu()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        cpu1 = server.cpu()
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "output_tokens": total,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(total / wall, 1),
+        "ttft_p50_ms": round(pct(ttfts, 50) * 1e3, 2),
+        "ttft_p99_ms": round(pct(ttfts, 99) * 1e3, 2),
+        "itl_p50_ms": round(pct(itls, 50) * 1e3, 2),
+        "itl_p99_ms": round(pct(itls, 99) * 1e3, 2),
+        "frontend_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / requests * 1e3, 2),
+        "engine_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / requests * 1e3, 2),
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values), q))
+
+
+def bench_model(
+    name: str, args: list[str], opts: argparse.Namespace, image: bool = True
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for mode in opts.modes:
+        server = Server([*args, "--engine-mode", mode])
+        try:
+            asyncio.run(run_level(server, 2, 4, 4, 10_000, image))  # warm-up
+            rows = []
+            for c in CONCURRENCY:
+                n = max(2 * c, opts.min_requests)
+                row = asyncio.run(run_level(server, c, n, opts.max_tokens, 1000 * c, image))
+                rows.append(row)
+                print(
+                    f"{name:9s} {mode:12s} c={c:<3d} {row['output_tok_s']:8.1f} tok/s  "
+                    f"TTFT p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
+                    f"ITL p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} ms  "
+                    f"CPU/req frontend {row['frontend_cpu_ms_per_request']:.1f} ms "
+                    f"engine {row['engine_cpu_ms_per_request']:.1f} ms",
+                    flush=True,
+                )
+            results[mode] = rows
+        finally:
+            server.stop()
+    if set(MODES) <= set(results):
+        results["ratio_multiprocess_over_inprocess_tok_s"] = {
+            str(a["concurrency"]): round(b["output_tok_s"] / a["output_tok_s"], 3)
+            for a, b in zip(results["inprocess"], results["multiprocess"], strict=True)
+        }
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--models", nargs="+", default=["builtin", "mid-size"])
+    ap.add_argument("--mock", action="store_true", help="also the --mock-engine CPU comparison")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    opts = ap.parse_args()
+
+    from ec_frontend.model.builtin import ensure_builtin_checkpoint
+
+    builtin = ensure_builtin_checkpoint()
+    common = ["--device", "cpu", "--max-model-len", "2048"]
+    report: dict[str, Any] = {
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "max_tokens": opts.max_tokens,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {
+            "builtin": ["--model", str(builtin)],
+            "mid-size": [
+                "--model", str(mid_size_checkpoint(builtin, Path(tmp) / "mid")),
+                "--load-format", "dummy",
+            ],
+        }  # fmt: skip
+        for name in opts.models:
+            report[name] = bench_model(name, [*models[name], *common], opts)
+        if opts.mock:
+            report["mock"] = bench_model("mock", ["--mock-engine"], opts, image=False)
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {opts.out}")
+
+
+if __name__ == "__main__":
+    main()

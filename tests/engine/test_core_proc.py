@@ -1,0 +1,234 @@
+"""The engine core in its own process: the wire schema, streamed detokenization, the
+process handle and two clients on one engine (real process, real ZMQ sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from ec_frontend.engine.async_engine import AsyncEngine
+from ec_frontend.engine.core import EngineCore
+from ec_frontend.engine.core_proc import (
+    Codec,
+    EngineProcess,
+    EngineSpec,
+    StartupError,
+    pack_dataclass,
+    unpack_fields,
+)
+from ec_frontend.engine.detokenizer import IncrementalDetokenizer
+from ec_frontend.engine.mp_client import MPEngineClient, StreamDetokenizer, make_detokenizer
+from ec_frontend.engine.outputs import RequestOutput
+from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.model.processor import MultiModalFeature, ProcessedInputs
+
+from .conftest import chat_inputs, engine_config, image_media
+
+# ---- the wire schema ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        torch.randn(5, 7, generator=torch.Generator().manual_seed(0)),
+        torch.randn(4, 3, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
+        torch.zeros(0, 1176),
+        torch.arange(10, dtype=torch.float32)[::2],  # not contiguous
+        torch.tensor(3.5),
+    ],
+    ids=["int64", "float32", "bfloat16", "empty", "strided", "scalar"],
+)
+def test_tensor_frames_round_trip(tensor: torch.Tensor) -> None:
+    codec = Codec()
+    frames = codec.encode(("add", {"t": tensor, "n": 3}))
+    assert len(frames) == 2, "the tensor travels as one extra frame"
+    kind, body = Codec().decode([bytes(f) for f in frames])
+    assert kind == "add" and body["n"] == 3
+    out = body["t"]
+    assert out.dtype == tensor.dtype and tuple(out.shape) == tuple(tensor.shape)
+    assert torch.equal(out, tensor)
+
+
+def test_ndarray_and_nested_dataclasses_round_trip() -> None:
+    pixels = torch.randn(16, 1176, generator=torch.Generator().manual_seed(2))
+    inputs = ProcessedInputs(
+        prompt_token_ids=[1, 2, 3, 4],
+        mm_features=[MultiModalFeature("h0", 1, 2, (1, 2, 2), pixels)],
+        mrope_positions=torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        mrope_position_delta=-2,
+        prompt="p",
+        cache_salt="salt",
+    )
+    codec = Codec()
+    frames = codec.encode(("add", pack_dataclass(inputs), np.arange(6, dtype=np.int32)))
+    assert len(frames) == 4
+    _, packed, arr = Codec().decode(frames)
+    kwargs = unpack_fields(packed)
+    kwargs["mm_features"] = [MultiModalFeature(**unpack_fields(f)) for f in kwargs["mm_features"]]
+    back = ProcessedInputs(**kwargs)
+    assert back.mm_features[0].image_grid_thw == (1, 2, 2)
+    assert torch.equal(back.mm_features[0].pixel_values, pixels)
+    assert torch.equal(back.mrope_positions, inputs.mrope_positions)
+    assert back.prompt_token_ids == [1, 2, 3, 4]
+    assert (back.mrope_position_delta, back.cache_salt) == (-2, "salt")
+    assert arr.dtype == np.int32 and arr.tolist() == list(range(6))
+
+
+def test_unsupported_object_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="cannot send a object"):
+        Codec().encode(("add", object()))
+
+
+# ---- streamed detokenization ------------------------------------------------------
+
+
+def _run_detok(detok: IncrementalDetokenizer, tokens: list[int], chunk: int) -> tuple[str, Any]:
+    text, stop = "", None
+    for i in range(0, len(tokens), chunk):
+        part = tokens[i : i + chunk]
+        finished = i + chunk >= len(tokens)
+        stop = detok.update(part, finished)
+        text += detok.take_delta(finished or stop is not None)
+        if stop is not None:
+            break
+    return text, stop
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stop", [[], ["e"], ["the", "\n\n"]])
+def test_stream_detokenizer_matches_the_window_detokenizer(
+    processor: Any, seed: int, stop: list[str]
+) -> None:
+    """DecodeStream gives the text, the stop string and the stream deltas of the
+    decode-window detokenizer, over random ids (multi-byte pieces, special tokens)."""
+    tok = processor.tokenizer
+    rng = random.Random(seed)
+    sample = tok.encode("Grüße, 東京! the café\n\nend")
+    tokens = [rng.choice([*sample, rng.randrange(len(tok))]) for _ in range(40)]
+    prompt = tok.encode("user: hi")
+    params = SamplingParams(stop=list(stop), max_tokens=64)
+    chunk = 1 + seed % 3
+    stream = make_detokenizer(tok, prompt, params)
+    assert isinstance(stream, StreamDetokenizer)
+    got = _run_detok(stream, tokens, chunk)
+    want = _run_detok(IncrementalDetokenizer(tok, prompt, params), tokens, chunk)
+    assert got == want
+
+
+# ---- the process handle -------------------------------------------------------------
+
+
+def test_startup_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    config = dataclasses.replace(engine_config(), model=str(tmp_path / "missing"))
+    handle = EngineProcess.launch(EngineSpec(config))
+    with pytest.raises(StartupError) as info:
+        handle.wait_ready(timeout=120)
+    assert "\n" not in str(info.value) and str(info.value)
+    assert handle.proc.returncode == 2
+    assert not Path(handle.directory).exists()
+
+
+# ---- clients on one engine --------------------------------------------------------
+
+
+async def _collect(stream: Any) -> RequestOutput:
+    acc: RequestOutput | None = None
+    async for out in stream:
+        if acc is None:
+            acc = out
+        else:
+            acc.add(out)
+    assert acc is not None
+    return acc
+
+
+def _idle(stats: Any) -> bool:
+    return stats.requests_finished_total == 4 and stats.num_requests_running == 0
+
+
+def _greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_matches_in_process_and_serves_two_clients(
+    builtin_model_dir: Path, processor: Any
+) -> None:
+    """Two clients of one engine process get the in-process engine's tokens and text
+    (text and image prompts: pixel values and M-RoPE positions as frames), each its
+    own outputs for the same request id, stats from every step, abort and stop."""
+    config = dataclasses.replace(engine_config(), model=str(builtin_model_dir))
+    prompts = [
+        chat_inputs(processor, "describe", [image_media(3)]),
+        chat_inputs(processor, "hello there", []),
+    ]
+    model = EngineCore.load_model(config, builtin_model_dir)
+    eos = processor.eos_token_id
+    core = EngineCore(config, model, tokenizer=processor.tokenizer, eos_token_id=eos)
+    local = AsyncEngine(core, processor)
+
+    async def run_local() -> list[RequestOutput]:
+        return [
+            await _collect(local.add_request(f"l{i}", p, _greedy(12)))
+            for i, p in enumerate(prompts)
+        ]
+
+    try:
+        expected = asyncio.run(run_local())
+    finally:
+        local.shutdown()
+
+    handle = EngineProcess.start(EngineSpec(config, cpu_threads=1), num_clients=2, timeout=300)
+    clients = [
+        MPEngineClient(handle.address, config=config, processor=processor, client_index=i)
+        for i in range(2)
+    ]
+
+    async def run_remote() -> dict[str, Any]:
+        same_id = [c.add_request("same", prompts[i], _greedy(12)) for i, c in enumerate(clients)]
+        long = clients[1].add_request("long", prompts[1], _greedy(400))
+        first = await long.__anext__()
+        await clients[1].abort("long")
+        aborted = await _collect(long)
+        # A stop string found by the client ends the request in the core.
+        text = expected[1].text
+        stop_at = text[len(text) // 2 :][:3] or text[:1]
+        stopped = await _collect(
+            clients[0].add_request("stop", prompts[1], _greedy(12, stop=[stop_at]))
+        )
+        outs = await asyncio.gather(*(_collect(s) for s in same_id))
+        return {"same": outs, "first": first, "aborted": aborted, "stopped": stopped,
+                "stop": stop_at}  # fmt: skip
+
+    try:
+        got = asyncio.run(run_remote())
+        for i, out in enumerate(got["same"]):
+            assert out.request_id == "same" and out.finish_reason == "length"
+            assert out.token_ids == expected[i].token_ids
+            assert out.text == expected[i].text
+        assert got["first"].token_ids and got["aborted"].finish_reason == "abort"
+        stopped = got["stopped"]
+        assert stopped.finish_reason == "stop" and stopped.stop_reason == got["stop"]
+        assert expected[1].text.startswith(stopped.text) and got["stop"] not in stopped.text
+        # Every client gets every step's stats (each on its own I/O thread).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_idle(c.stats()) for c in clients):
+            time.sleep(0.05)
+        for c in clients:
+            stats = c.stats()
+            assert stats.requests_finished_total == 4 and stats.num_requests_running == 0
+            assert c.is_running and not c.holds_request("same")
+    finally:
+        for c in clients:
+            c.shutdown()
+        code = handle.terminate(timeout=10)
+    assert code == 0
+    assert not Path(handle.directory).exists()
