@@ -56,7 +56,7 @@ class StructuredCompiler:
                 param=param,
                 code="unsupported_value",
             )
-        eos = getattr(getattr(self._engine, "core", None), "eos_token_id", None)
+        eos = getattr(self._engine, "eos_token_id", None)
         if eos is None:
             eos = tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
