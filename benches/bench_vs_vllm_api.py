@@ -60,6 +60,7 @@ MODEL = "tiny"
 SERVERS = ("ec-frontend", "vllm-api")
 SUMMARY_KEYS = (
     "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "server_cpu_ms_per_request",
+    "server_busy_cores",
 )  # fmt: skip
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
@@ -275,6 +276,8 @@ def summarize(
             "e2el_p50_ms": res["p50_e2el_ms"],
             # one more request than completed: the client's initial test request
             "server_cpu_ms_per_request": 1000 * cpu_used[run["name"]] / (res["completed"] + 1),
+            # below 1: the server waited for the client (or for other load on the host)
+            "server_busy_cores": cpu_used[run["name"]] / res["duration"],
         }
         rows.setdefault(run["scenario"], {}).setdefault(run["server"], []).append(row)
     summary: dict[str, Any] = {}
@@ -370,7 +373,8 @@ def main() -> None:
             print(
                 f"{scenario:11s} {server:12s} {m['requests_per_s']:8.1f} req/s  "
                 f"TTFT p50 {m['ttft_p50_ms']:7.1f} ms  p99 {m['ttft_p99_ms']:7.1f} ms  "
-                f"server CPU {m['server_cpu_ms_per_request']:6.2f} ms/req  "
+                f"server CPU {m['server_cpu_ms_per_request']:6.2f} ms/req, "
+                f"{m['server_busy_cores']:.2f} cores  "
                 f"failed {s['failed'][server]}"
             )
         ours_cpu = s["median"]["ec-frontend"]["server_cpu_ms_per_request"] + template_ms
