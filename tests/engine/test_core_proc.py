@@ -232,3 +232,60 @@ def test_multiprocess_engine_matches_in_process_and_serves_two_clients(
         code = handle.terminate(timeout=10)
     assert code == 0
     assert not Path(handle.directory).exists()
+
+
+# ---- the mock model behind the engine core -------------------------------------------
+
+TRANSFER = {"kv_transfer_params": {"k": 1}, "ec_transfer_params": {"e": {}}}
+FAIL_AFTER_3 = {"mock_fail_after": 3}
+MOCK_CASES = [
+    ("echo", "hello world", {"max_tokens": 8, "temperature": 0.0}),
+    ("default length", "abc", {"max_tokens": None, "temperature": 0.0}),
+    ("seeded", "the quick brown fox", {"max_tokens": 12, "temperature": 1.0, "seed": 7}),
+    ("stop string", "abcdefabcdef", {"max_tokens": 12, "temperature": 0.0, "stop": ["def"]}),
+    ("stop token", "hello", {"max_tokens": 8, "temperature": 0.0, "stop_token_ids": [ord("l")]}),
+    ("logprobs", "xyz", {"max_tokens": 4, "temperature": 0.0, "logprobs": 2}),
+    ("transfer params", "abc", {"max_tokens": 3, "temperature": 0.0, "extra_args": TRANSFER}),
+    ("failure", "abcdef", {"max_tokens": 6, "temperature": 0.0, "extra_args": FAIL_AFTER_3}),
+]
+
+
+def _mock_view(out: RequestOutput) -> tuple[Any, ...]:
+    lps = None
+    if out.logprobs is not None:
+        lps = [(lp.token_id, lp.logprob, lp.rank, list(map(tuple, lp.top))) for lp in out.logprobs]
+    return (
+        out.token_ids if out.finish_reason != "error" else None,
+        out.text if out.finish_reason != "error" else None,
+        out.finish_reason, out.stop_reason, lps,
+        out.kv_transfer_params, out.ec_transfer_params, out.error,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_mock_core_in_its_process_answers_as_the_in_process_mock() -> None:
+    """``--mock-engine`` with the multiprocess engine (the mock model behind the real
+    engine core, over ZMQ) gives the in-process mock engine's tokens, text, stops,
+    logprobs, transfer params and failures."""
+    from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
+
+    cfg = MockEngineConfig(model="m")
+    local = MockEngine(cfg)
+    remote = MPEngineClient.start(cfg, kind="mock")
+
+    async def run(engine: Any) -> list[RequestOutput]:
+        outs = []
+        for name, prompt, kw in MOCK_CASES:
+            inputs = engine.processor.process_prompt(prompt)
+            stream = engine.add_request(name, inputs, SamplingParams(**kw))
+            outs.append(await _collect(stream))
+        return outs
+
+    try:
+        want = asyncio.run(run(local))
+        got = asyncio.run(run(remote))
+    finally:
+        remote.shutdown()
+    for (name, _, _), w, g in zip(MOCK_CASES, want, got, strict=True):
+        assert _mock_view(g) == _mock_view(w), name
+    assert remote.process is not None and remote.process.proc.returncode == 0

@@ -400,7 +400,10 @@ class MPEngineClient:
         text = ""
         detok = state.detokenizer
         if detok is not None:
-            stop = detok.update(token_ids, finished)
+            text_ids = token_ids
+            if finish == "stop" and type(stop_reason) is int and token_ids[-1:] == [stop_reason]:
+                text_ids = token_ids[:-1]  # as vLLM: a stop token's text is left out
+            stop = detok.update(text_ids, finished)
             if stop is not None:
                 out = RequestOutput(
                     rid, state.prompt_token_ids, token_ids, detok.take_delta(True), True,

@@ -99,6 +99,10 @@ def build_engine(opts: ServeOptions) -> tuple[Any, str, int]:
             max_num_seqs=opts.max_num_seqs or 256,
             token_latency_s=opts.mock_token_latency_s,
         )
+        if opts.engine_mode == "multiprocess":
+            from ec_frontend.engine.mp_client import MPEngineClient
+
+            return MPEngineClient.start(cfg, kind="mock"), cfg.model, max_len
         return MockEngine(cfg), cfg.model, max_len
     from ec_frontend.entrypoints.real_engine import create_engine
 

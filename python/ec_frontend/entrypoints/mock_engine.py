@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -350,3 +351,172 @@ class MockEngine:
                 return
             yield RequestOutput(request_id, prompt, [tok], chr(tok))
         yield RequestOutput(request_id, prompt, [], "", True, "length", None, None, 0, kv, ec)
+
+
+# ---- the mock model behind the engine core (``--mock-engine`` in its own process) ----
+
+
+class MockModel:
+    """What the engine core asks of a model, without weights: the vocabulary of the
+    character tokenizer and a KV cache spec of no bytes (the blocks are bookkeeping)."""
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self) -> None:
+        import torch
+
+        self.device = torch.device("cpu")
+        self._dtype = torch.float32
+
+    def kv_cache_spec(self) -> Any:
+        from ec_frontend.model.interface import KVCacheSpec
+
+        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=self._dtype)
+
+
+class MockRunner:
+    """Stands in for the model runner: "encodes" scheduled images (counted) and samples
+    the token :class:`MockEngine` would, for every request that samples this step.
+
+    It reads the scheduler's requests (same thread) for their prompt and output
+    tokens, so a preempted request resumes where it was.
+    """
+
+    def __init__(self, scheduler: Any, token_latency_s: float = 0.0) -> None:
+        from ec_frontend.engine.model_runner import RunnerCounters
+
+        self.scheduler = scheduler
+        self.token_latency_s = token_latency_s
+        self.counters = RunnerCounters()
+        self._rngs: dict[str, random.Random] = {}
+
+    def execute(self, so: Any) -> Any:
+        from ec_frontend.engine.outputs import ModelRunnerOutput
+
+        out = ModelRunnerOutput()
+        for rid in so.finished_req_ids:
+            self._rngs.pop(rid, None)
+        requests = self.scheduler.requests
+        encoded = 0
+        for item in so.scheduled:
+            encoded += len(item.encoder_inputs)
+            request = requests.get(item.request_id)
+            if not item.sample or request is None:
+                continue
+            params = request.sampling_params
+            extra = params.extra_args or {}
+            i = len(request.output_token_ids)
+            if extra.get("mock_fail_after") == i:
+                out.failed[item.request_id] = "mock failure"
+                continue
+            prompt = request.prompt_token_ids
+            if params.temperature > 0:
+                rng = self._rngs.get(item.request_id)
+                if rng is None:
+                    rng = self._rngs[item.request_id] = random.Random(params.seed or 0)
+                tok = rng.choice(prompt)
+            else:
+                tok = prompt[i % len(prompt)]
+            out.sampled_token_ids[item.request_id] = [tok]
+            if params.logprobs is not None:
+                top = [(tok + j, -0.5 * (j + 1)) for j in range(max(1, params.logprobs))]
+                out.logprobs[item.request_id] = [TokenLogprob(tok, -0.5, 1, top)]
+        if encoded:
+            self.counters.encoder_items_computed += encoded
+            self.counters.encoder_forward_calls += 1
+        if out.sampled_token_ids:
+            self.counters.lm_forward_calls += 1
+            if self.token_latency_s > 0:
+                time.sleep(self.token_latency_s)
+        return out
+
+
+@dataclass(slots=True)
+class _CoreFeature:
+    """A mock image as the engine core sees it (``MultiModalFeature``'s fields that
+    the scheduler reads); pixel values that are not ``None`` mean "encode locally"."""
+
+    mm_hash: str
+    offset: int
+    length: int
+    image_grid_thw: tuple[int, int, int] = (1, 1, 1)
+    pixel_values: Any = ()
+
+
+@dataclass(slots=True)
+class _CoreInputs:
+    """A mock prompt as the engine core sees it (``ProcessedInputs``' fields)."""
+
+    prompt_token_ids: list[int]
+    mm_features: list[_CoreFeature]
+    mrope_positions: Any = None
+    mrope_position_delta: int = 0
+    prompt: str | None = None
+    cache_salt: str | None = None
+
+
+def _mock_core_class() -> type:
+    from ec_frontend.engine.core import EngineCore
+
+    class MockCore(EngineCore):
+        """The engine core with :class:`MockModel` and :class:`MockRunner`; transfer
+        params given in ``extra_args`` come back on the finished output, as a
+        connector's ``request_finished`` would return them."""
+
+        def __init__(self, config: Any, token_latency_s: float) -> None:
+            super().__init__(config, MockModel(), eos_token_id=CharTokenizer.eos_token_id)
+            self.runner = MockRunner(self.scheduler, token_latency_s)  # type: ignore[assignment]
+            self._echo: dict[str, tuple[Any, Any]] = {}
+
+        def build_inputs(self, data: dict[str, Any]) -> _CoreInputs:
+            """Engine inputs from a packed :class:`MockInputs`."""
+            features = [
+                _CoreFeature(f["mm_hash"], f["offset"], f["length"])
+                for f in data.get("mm_features") or []
+            ]
+            return _CoreInputs(data["prompt_token_ids"], features, None, 0, data.get("prompt"),
+                               cache_salt=data.get("cache_salt"))  # fmt: skip
+
+        def add_request(self, request_id: str, inputs: Any, params: Any) -> None:
+            limit = max(self.max_model_len - len(inputs.prompt_token_ids), 1)
+            params.max_tokens = min(_get(params, "max_tokens", DEFAULT_MAX_TOKENS), limit)
+            extra = params.extra_args or {}
+            kv, ec = extra.get("kv_transfer_params"), extra.get("ec_transfer_params")
+            if kv is not None or ec is not None:
+                self._echo[request_id] = (kv, ec)
+            super().add_request(request_id, inputs, params)
+
+        def _to_request_output(self, co: Any) -> RequestOutput:
+            out = super()._to_request_output(co)
+            if out.finished:
+                echo = self._echo.pop(co.request_id, None)
+                if echo is not None and out.finish_reason in ("stop", "length"):
+                    out.kv_transfer_params, out.ec_transfer_params = echo
+            return out
+
+    return MockCore
+
+
+def build_mock_core(config: MockEngineConfig) -> Any:
+    """In the engine process: the engine core around the mock model (``--mock-engine``
+    with the multiprocess engine)."""
+    from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    max_len = config.max_model_len
+    engine_config = EngineConfig(
+        model=None,
+        model_id=config.model,
+        device="cpu",
+        scheduler=SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_len,
+            max_num_batched_tokens=max(8192, max_len),
+        ),
+        cache=CacheConfig(
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=MockEngine.KV_BLOCKS,
+            encoder_cache_size=max(8192, max_len),
+            enable_prefix_caching=False,
+        ),
+    )
+    return _mock_core_class()(engine_config, config.token_latency_s)
