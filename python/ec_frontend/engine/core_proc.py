@@ -364,7 +364,12 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _reduce_mappingproxy(m: types.MappingProxyType[Any, Any]) -> tuple[Any, ...]:
-    return types.MappingProxyType, (dict(m),)
+    return _mappingproxy, (dict(m),)
+
+
+def _mappingproxy(d: dict[Any, Any]) -> types.MappingProxyType[Any, Any]:
+    """Rebuilds a read-only mapping (the class itself cannot be pickled by name)."""
+    return types.MappingProxyType(d)
 
 
 # ---- the engine process ---------------------------------------------------------
