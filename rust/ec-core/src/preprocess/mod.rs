@@ -67,12 +67,19 @@ pub enum PreprocessError {
 /// `n` default values, or [`PreprocessError::OutOfMemory`] instead of an abort when the
 /// allocator refuses (image-sized buffers may be large).
 pub(crate) fn alloc<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
+    let mut v = reserve(n)?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
+/// An empty vector with room for `n` values (filled by the caller in order, so no time
+/// goes into zeroing it first), or [`PreprocessError::OutOfMemory`].
+pub(crate) fn reserve<T>(n: usize) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n)
         .map_err(|_| PreprocessError::OutOfMemory {
             bytes: n.saturating_mul(std::mem::size_of::<T>()),
         })?;
-    v.resize(n, T::default());
     Ok(v)
 }
 

@@ -6,8 +6,8 @@
 //! order (`gh, gw, mh, mw` rows; `c, t, ph, pw` columns), each frame repeated
 //! `temporal_patch_size` times.
 
-use super::resize::{resize, Filter};
-use super::{alloc, decode_rgb, ImageFormat, PreprocessError, Result, RgbImage};
+use super::resize::{avx2_dispatch, resize, Filter};
+use super::{decode_rgb, reserve, ImageFormat, PreprocessError, Result, RgbImage};
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -164,47 +164,69 @@ impl QwenVlConfig {
             h,
             self.filter,
         )?;
-        let lut = self.lut();
         let p = self.patch_size as usize;
         let m = self.merge_size as usize;
         let t = self.temporal_patch_size as usize;
+        let pixel_values = patchify(&resized, w, h, p, m, t, &self.lut())?;
         let (gh, gw) = (h / p, w / p);
         let patch_dim = 3 * t * p * p;
+        Ok(QwenVlOutput {
+            pixel_values,
+            grid_thw: (1, gh as u32, gw as u32),
+            patch_dim,
+        })
+    }
+}
+
+avx2_dispatch! {
+    /// `pixel_values` rows of a `w` x `h` RGB image (both multiples of `p * m`): merge
+    /// windows in raster order, their `m * m` patches in raster order; per patch, per
+    /// channel, the `p * p` normalized values `t` times. Written in output order, so the
+    /// buffer is filled once, never zeroed first.
+    fn patchify(
+        resized: &[u8],
+        w: usize,
+        h: usize,
+        p: usize,
+        m: usize,
+        t: usize,
+        lut: &[[f32; 256]; 3],
+    ) -> Result<Vec<f32>> {
+        let (gh, gw) = (h / p, w / p);
         let frame = p * p;
-        let mut out = alloc::<f32>(gh * gw * patch_dim)?;
-        let mut row = 0usize;
+        let total = gh * gw * 3 * t * frame;
+        let mut out = reserve::<f32>(total)?;
+        let spare = &mut out.spare_capacity_mut()[..total];
+        let mut at = 0usize;
         for bh in 0..gh / m {
             for bw in 0..gw / m {
                 for mh in 0..m {
                     for mw in 0..m {
-                        let dst = &mut out[row * patch_dim..(row + 1) * patch_dim];
                         let y0 = (bh * m + mh) * p;
                         let x0 = (bw * m + mw) * p;
-                        for c in 0..3 {
-                            let table = &lut[c];
-                            let first = &mut dst[c * t * frame..c * t * frame + frame];
-                            for ph in 0..p {
-                                let src = &resized[((y0 + ph) * w + x0) * 3..];
-                                let line = &mut first[ph * p..(ph + 1) * p];
+                        for (c, table) in lut.iter().enumerate() {
+                            let (first, rest) = spare[at..at + t * frame].split_at_mut(frame);
+                            for (ph, line) in first.chunks_exact_mut(p).enumerate() {
+                                let start = ((y0 + ph) * w + x0) * 3 + c;
+                                let src = &resized[start..start + (p - 1) * 3 + 1];
                                 for (pw, o) in line.iter_mut().enumerate() {
-                                    *o = table[src[pw * 3 + c] as usize];
+                                    o.write(table[usize::from(src[pw * 3])]);
                                 }
                             }
-                            for k in 1..t {
-                                let start = c * t * frame;
-                                dst.copy_within(start..start + frame, start + k * frame);
+                            for copy in rest.chunks_exact_mut(frame) {
+                                copy.copy_from_slice(first);
                             }
+                            at += t * frame;
                         }
-                        row += 1;
                     }
                 }
             }
         }
-        Ok(QwenVlOutput {
-            pixel_values: out,
-            grid_thw: (1, gh as u32, gw as u32),
-            patch_dim,
-        })
+        debug_assert_eq!(at, total);
+        // SAFETY: the loops above wrote every one of the `total` values, in order: `gh / m
+        // * gw / m * m * m` patches, each `3 * t * frame` values.
+        unsafe { out.set_len(total) };
+        Ok(out)
     }
 }
 
