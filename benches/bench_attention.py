@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 from ec_frontend.model.interface import AttentionMetadata
-from ec_frontend.model.paged_attention import BACKENDS
 from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig
-from ec_frontend.model.triton_decode import triton_available
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
@@ -155,7 +153,13 @@ def random_text_model(args: argparse.Namespace) -> Qwen2TextModel:
 
 
 def usable_backends(device: torch.device) -> tuple[str, ...]:
-    """``triton`` compiles for CUDA only (on the CPU it needs Triton's interpreter)."""
+    """``triton`` compiles for CUDA only (on the CPU it needs Triton's interpreter).
+
+    Imported here, not at the top: ``bench_engine`` imports this module's model
+    helpers into trees older than the attention backends."""
+    from ec_frontend.model.paged_attention import BACKENDS
+    from ec_frontend.model.triton_decode import triton_available
+
     if device.type == "cuda" and triton_available():
         return BACKENDS
     return tuple(b for b in BACKENDS if b != "triton")

@@ -145,7 +145,7 @@ def test_same_step_readers_fail_with_their_writer(h: Any) -> None:
     items = {s.request_id: s for s in so.scheduled}
     assert items["writer"].num_computed_tokens == 0
     assert items["reader"].num_computed_tokens == 40  # 10 blocks shared within the step
-    assert items["reader"].block_ids[:10] == items["writer"].block_ids[:10]
+    assert items["reader"].new_block_ids[:10] == items["writer"].new_block_ids[:10]
     out = h.fake_runner_output(so)
     out.failed["writer"] = "media item could not be encoded"
     finals = {o.request_id: o for o in sched.update_from_output(so, out)}

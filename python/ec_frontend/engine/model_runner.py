@@ -13,6 +13,13 @@ Per step, with the EC connector bound to the step's metadata:
 4. sample the requests whose step reaches their last token;
 5. collect finished transfers; the metadata is cleared even on error.
 
+The runner keeps its own state per request (:class:`CachedRequest`), created
+from the scheduler's :class:`~ec_frontend.engine.scheduler_output.NewRequestData`
+and updated incrementally: its row of token ids and block table in the
+persistent :class:`~ec_frontend.engine.model_inputs.InputBatch`, its output
+tokens (appended as it samples them) and, for a request with penalties, its
+token counts. It never holds the scheduler's ``Request`` objects.
+
 Failures stay with their requests: an image that cannot be encoded fails the
 requests that need it; an error in the forward fails the requests of that
 forward. Neither stops the engine.
@@ -27,15 +34,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
-from ec_frontend.engine.model_inputs import build_model_inputs
+from ec_frontend.engine.model_inputs import InputBatch, StepRequest
 from ec_frontend.engine.outputs import ModelRunnerOutput
-from ec_frontend.engine.sampler import Sampler, SamplingRow, make_generator
+from ec_frontend.engine.sampler import PenaltyState, Sampler, SamplingRow, make_generator
 from ec_frontend.engine.structured_output import BitmaskFiller
 from ec_frontend.model.interface import VisionLanguageModel
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.kv_base import KVConnectorBase
-    from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from ec_frontend.engine.scheduler_output import (
+        NewRequestData,
+        ScheduledRequest,
+        SchedulerOutput,
+    )
     from ec_frontend.model.processor import MultiModalFeature
 
 logger = logging.getLogger(__name__)
@@ -52,6 +63,20 @@ class RunnerCounters:
     lm_tokens: int = 0
     lm_requests: int = 0
     max_requests_per_forward: int = 0
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """The runner's state of one request in the batch."""
+
+    data: NewRequestData
+    row: int
+    output_token_ids: list[int]
+    penalties: PenaltyState | None
+
+    @property
+    def request_id(self) -> str:
+        return self.data.request_id
 
 
 @dataclass(slots=True)
@@ -94,12 +119,20 @@ class ModelRunner:
         self.sampler = Sampler()
         self.bitmask_filler = BitmaskFiller()
         self.counters = RunnerCounters()
+        # Seeded generators outlive a preemption (the resumed request draws on).
         self._generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, CachedRequest] = {}
+        self.input_batch = InputBatch(block_size, model.device)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         for rid in so.finished_req_ids:
             self._generators.pop(rid, None)
+            self._drop(rid)
+        for rid in so.preempted_req_ids:
+            self._drop(rid)
+        for item in so.scheduled:
+            self._update_state(item)
         for mm_hash in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         meta = so.ec_connector_metadata or ECConnectorMetadata()
@@ -115,6 +148,40 @@ class ModelRunner:
             kv_sending, kv_recving = self.kv_connector.get_finished(so.finished_req_ids)
             out.kv_finished_sending, out.kv_finished_recving = kv_sending, kv_recving
         return out
+
+    # ---- per-request state ----------------------------------------------
+
+    def _drop(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.input_batch.free_row(state.row)
+
+    def _update_state(self, item: ScheduledRequest) -> None:
+        data = item.new_request
+        if data is None:
+            state = self.requests.get(item.request_id)
+            if state is None:
+                raise KeyError(f"the runner has no state for request {item.request_id!r}")
+            self.input_batch.append_blocks(state.row, item.new_block_ids)
+            return
+        self._drop(data.request_id)
+        outputs = list(data.output_token_ids)
+        row = self.input_batch.add_row(
+            list(data.prompt_token_ids) + outputs if outputs else data.prompt_token_ids,
+            item.new_block_ids,
+        )
+        penalties = None
+        if data.sampling_params.has_penalties and not self.encoder_only:
+            penalties = PenaltyState(
+                self.model.vocab_size, self.model.device, data.prompt_token_ids, outputs
+            )
+        self.requests[data.request_id] = CachedRequest(data, row, outputs, penalties)
+
+    def _record_sampled(self, state: CachedRequest, token: int) -> None:
+        state.output_token_ids.append(token)
+        self.input_batch.append_tokens(state.row, [token])
+        if state.penalties is not None:
+            state.penalties.add(token)
 
     # ---- encoder outputs ------------------------------------------------
 
@@ -180,9 +247,8 @@ class ModelRunner:
     def _needed_features(self, item: ScheduledRequest) -> list[MultiModalFeature]:
         start = item.num_computed_tokens
         end = start + item.num_scheduled_tokens
-        return [
-            f for f in item.request.mm_features if f.offset < end and f.offset + f.length > start
-        ]
+        features = self.requests[item.request_id].data.mm_features
+        return [f for f in features if f.offset < end and f.offset + f.length > start]
 
     def _encode(self, jobs: list[_EncodeJob]) -> list[tuple[_EncodeJob, torch.Tensor | Exception]]:
         """All jobs in one vision-tower call; on failure, one call per job to isolate it."""
@@ -251,13 +317,26 @@ class ModelRunner:
 
     def _forward_and_sample(self, batch: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
         model = self.model
-        inputs = build_model_inputs(batch, self.block_size, model.device)
+        states = [self.requests[item.request_id] for item in batch]
+        inputs = self.input_batch.build(
+            [
+                StepRequest(
+                    row=state.row,
+                    start=item.num_computed_tokens,
+                    num_new=item.num_scheduled_tokens,
+                    prompt_len=len(state.data.prompt_token_ids),
+                    mrope_positions=state.data.mrope_positions,
+                    mrope_position_delta=state.data.mrope_position_delta,
+                )
+                for item, state in zip(batch, states, strict=True)
+            ]
+        )
         query_start = inputs.query_start
         embeds = model.embed_tokens(inputs.input_ids)
         for i, item in enumerate(batch):
             self._scatter_encoder_outputs(embeds, item, query_start[i])
         sampling = [i for i, item in enumerate(batch) if item.sample]
-        rows = [self._sampling_row(batch[i]) for i in sampling]
+        rows = [self._sampling_row(states[i]) for i in sampling]
         # The grammar bitmask of constrained rows is computed while the model runs.
         bitmask = self.bitmask_filler.start(
             [r.grammar for r in rows], [r.output_token_ids for r in rows], model.vocab_size
@@ -277,6 +356,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, rows, bitmask)
         for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
             rid = batch[i].request_id
+            self._record_sampled(states[i], token)
             out.sampled_token_ids[rid] = [token]
             if lp is not None:
                 out.logprobs[rid] = [lp]
@@ -294,20 +374,21 @@ class ModelRunner:
                 lo - feature.offset : hi - feature.offset
             ].to(embeds.dtype)
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
-        request = item.request
-        params = request.sampling_params
+    def _sampling_row(self, state: CachedRequest) -> SamplingRow:
+        data = state.data
+        params = data.sampling_params
         generator = None
         if params.seed is not None and not params.is_greedy:
-            generator = self._generators.get(request.request_id)
+            generator = self._generators.get(data.request_id)
             if generator is None:
                 generator = make_generator(params.seed, self.model.device)
-                self._generators[request.request_id] = generator
+                self._generators[data.request_id] = generator
         return SamplingRow(
             params,
             generator,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            request.eos_token_ids,
-            request.grammar,
+            data.prompt_token_ids,
+            state.output_token_ids,
+            data.eos_token_ids,
+            data.grammar,
+            state.penalties,
         )

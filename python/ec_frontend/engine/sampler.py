@@ -8,6 +8,14 @@ top-k, top-p and min-p followed by a draw. A row with a ``seed`` draws from its
 own ``torch.Generator``, so its output does not depend on its neighbours in the
 batch. Logprobs are those of the model's raw
 distribution (before penalties and temperature), as in vLLM.
+
+Work is batched over the rows: penalties read each row's token counts
+(:class:`PenaltyState`, kept by the runner and updated by one token per step,
+never rebuilt from the row's history) stacked into ``[N, V]`` tensors, and the
+logprobs of all rows that ask for them come from one gather, one comparison and
+one ``topk``. Which rows are greedy, or use min-p, is decided from their params
+on the host; the only device-to-host copy of a step without logprobs is the
+sampled ids.
 """
 
 from __future__ import annotations
@@ -23,13 +31,47 @@ from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.engine.structured_output import GrammarState, apply_bitmask, fill_bitmask
 
 
+class PenaltyState:
+    """One request's token statistics for penalties, updated per sampled token.
+
+    ``output_counts[t]``: how often ``t`` was generated (frequency and presence
+    penalties); ``seen[t]``: ``t`` is in the prompt or the output (repetition
+    penalty). Ids outside the vocabulary are ignored.
+    """
+
+    __slots__ = ("output_counts", "seen", "vocab_size")
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+    ) -> None:
+        self.vocab_size = vocab_size
+        output = torch.tensor(list(output_token_ids), dtype=torch.int64, device=device)
+        output = output[output < vocab_size]
+        self.output_counts = torch.bincount(output, minlength=vocab_size)[:vocab_size].float()
+        prompt = torch.tensor(list(prompt_token_ids), dtype=torch.int64, device=device)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.seen[prompt[prompt < vocab_size]] = True
+        self.seen[output] = True
+
+    def add(self, token_id: int) -> None:
+        if 0 <= token_id < self.vocab_size:
+            self.output_counts[token_id] += 1
+            self.seen[token_id] = True
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One row of the batch: its params, generator and token history.
 
     ``eos_token_ids`` are masked, with ``stop_token_ids``, until the row has
     ``min_tokens`` output tokens (unless ``ignore_eos``). ``grammar`` is the
-    request's structured-output state, if it has one.
+    request's structured-output state, if it has one. ``penalties`` are the
+    row's token counts when its owner keeps them; otherwise they are computed
+    from the token history when the params ask for penalties.
     """
 
     params: SamplingParams
@@ -38,6 +80,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_ids: Collection[int] = ()
     grammar: GrammarState | None = None
+    penalties: PenaltyState | None = None
 
     @property
     def stop_ids_masked(self) -> list[int]:
@@ -80,13 +123,11 @@ class Sampler:
         if not rows:
             return [], []
         logits = logits.float()
-        want_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        if any(r.params.has_penalties for r in rows):
-            logits = logits.clone()
-            for i, row in enumerate(rows):
-                if row.params.has_penalties:
-                    _apply_penalties(logits[i], row)
+        want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if penalized:
+            logits = _apply_penalties(logits, rows, penalized)
 
         if any(
             r.params.logit_bias or r.params.allowed_token_ids is not None or r.stop_ids_masked
@@ -107,18 +148,18 @@ class Sampler:
                 )
             logits = apply_bitmask(logits, grammar_bitmask, constrained)
 
-        greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
+        greedy = [r.params.is_greedy for r in rows]
         chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(greedy):
             sampled = self._sample(logits, rows)
-            chosen = torch.where(greedy, chosen, sampled)
-        token_ids = chosen.tolist()
-
+            chosen = torch.where(torch.tensor(greedy, device=logits.device), chosen, sampled)
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            for i, row in enumerate(rows):
-                if want_logprobs[i]:
-                    logprobs[i] = _token_logprob(raw_logprobs[i], token_ids[i], row.params)
+        if raw_logprobs is None:
+            return chosen.tolist(), logprobs
+        picked = _token_logprobs(raw_logprobs, chosen, rows, want_logprobs)
+        token_ids = chosen.tolist()
+        for i, lp in zip(want_logprobs, picked, strict=True):
+            logprobs[i] = lp
         return token_ids, logprobs
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -144,8 +185,8 @@ class Sampler:
             logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
 
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -206,34 +247,65 @@ def _apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
     return out
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    params = row.params
+def _apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], penalized: list[int]
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties on the ``penalized`` rows,
+    batched over their stacked token statistics (a new tensor)."""
     vocab = logits.shape[-1]
     device = logits.device
-    output = torch.tensor(list(row.output_token_ids), dtype=torch.int64, device=device)
-    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
-    if params.repetition_penalty != 1.0:
-        seen_ids = torch.tensor(
-            list(row.prompt_token_ids) + list(row.output_token_ids),
-            dtype=torch.int64,
-            device=device,
-        )
-        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        seen[seen_ids[seen_ids < vocab]] = True
-        penalized = torch.where(
-            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
-        )
-        logits.copy_(torch.where(seen, penalized, logits))
-    logits -= params.frequency_penalty * counts
-    logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    states = [
+        rows[i].penalties
+        or PenaltyState(vocab, device, rows[i].prompt_token_ids, rows[i].output_token_ids)
+        for i in penalized
+    ]
+    index = torch.tensor(penalized, dtype=torch.int64, device=device)
+    part = logits.index_select(0, index)
+    counts = torch.stack([s.output_counts[:vocab] for s in states])
+    seen = torch.stack([s.seen[:vocab] for s in states])
+    params = [rows[i].params for i in penalized]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=part.dtype, device=device)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=part.dtype, device=device)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=part.dtype, device=device)
+    rep = rep[:, None]
+    scaled = torch.where(part > 0, part / rep, part * rep)
+    part = torch.where(seen & (rep != 1.0), scaled, part)
+    part -= freq[:, None] * counts
+    part -= pres[:, None] * (counts > 0).to(part.dtype)
+    return logits.index_copy(0, index, part)
 
 
-def _token_logprob(logprobs: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob:
-    value = logprobs[token_id]
-    rank = int((logprobs > value).sum()) + 1
-    top: list[tuple[int, float]] = []
-    k = min(params.logprobs or 0, logprobs.shape[-1])
-    if k > 0:
-        values, ids = logprobs.topk(k)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token_id=token_id, logprob=float(value), rank=rank, top=top)
+def _token_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow], which: list[int]
+) -> list[TokenLogprob]:
+    """The sampled token's logprob and rank and the top alternatives of the rows
+    ``which``, computed for all of them at once."""
+    vocab = logprobs.shape[-1]
+    index = torch.tensor(which, dtype=torch.int64, device=logprobs.device)
+    part = logprobs.index_select(0, index)
+    tokens = chosen.index_select(0, index)
+    values = part.gather(1, tokens[:, None])
+    ranks = (part > values).sum(dim=-1) + 1
+    ks = [min(rows[i].params.logprobs or 0, vocab) for i in which]
+    top_values: list[list[float]] = [[] for _ in which]
+    top_ids: list[list[int]] = [[] for _ in which]
+    if max(ks) > 0:
+        tv, ti = part.topk(max(ks))
+        top_values, top_ids = tv.tolist(), ti.tolist()
+    return [
+        TokenLogprob(
+            token_id=token,
+            logprob=value,
+            rank=rank,
+            top=list(zip(ids[:k], vals[:k], strict=True)),
+        )
+        for token, value, rank, ids, vals, k in zip(
+            tokens.tolist(),
+            values[:, 0].tolist(),
+            ranks.tolist(),
+            top_ids,
+            top_values,
+            ks,
+            strict=True,
+        )
+    ]

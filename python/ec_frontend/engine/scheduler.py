@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ec_frontend.engine.encoder_planner import EncoderInputPlanner, EncoderPlan
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from ec_frontend.engine.request import Request, RequestStatus
-from ec_frontend.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from ec_frontend.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.base import ECConnectorBase
@@ -80,6 +80,10 @@ class Scheduler:
         self._kv_delayed: dict[str, Request] = {}
         self._ec_delayed: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
+        # The requests of the last schedule() by id (the output carries plain data),
+        # and how many blocks of each request's table the runner has been sent.
+        self._scheduled_requests: dict[str, Request] = {}
+        self._blocks_sent: dict[str, int] = {}
         self._pending_outputs: list[EngineCoreOutput] = []
         self.counters = SchedulerCounters()
         # Prefix-cache blocks keyed during the current step, by the request computing
@@ -177,6 +181,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
+        self._blocks_sent.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
 
     def _fail(self, request: Request, message: str) -> None:
@@ -231,8 +236,11 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(scheduled, token_budget, encoder_budget)
 
+        self._scheduled_requests = {}
         for item in scheduled:
-            item.request.num_computed_tokens += item.num_scheduled_tokens
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += item.num_scheduled_tokens
+            self._scheduled_requests[item.request_id] = request
 
         out = SchedulerOutput(
             scheduled=scheduled,
@@ -320,17 +328,36 @@ class Scheduler:
             scheduled.append(self._scheduled(request, plan, is_new=True))
 
     def _scheduled(self, request: Request, plan: EncoderPlan, *, is_new: bool) -> ScheduledRequest:
+        """The runner's view of ``request``'s share of this step. ``is_new``: admitted
+        from the waiting queue, so the runner has no state for it (new, resumed after
+        preemption, or continuing from received KV)."""
+        rid = request.request_id
         end = request.num_computed_tokens + plan.num_new_tokens
-        blocks = list(self.kv_cache.block_table(request.request_id)) if self.kv_cache else []
+        table = self.kv_cache.block_table(rid) if self.kv_cache else []
+        sent = 0 if is_new else self._blocks_sent.get(rid, 0)
+        self._blocks_sent[rid] = len(table)
+        new_request = None
+        if is_new:
+            new_request = NewRequestData(
+                request_id=rid,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                mm_features=request.mm_features,
+                eos_token_ids=request.eos_token_ids,
+                mrope_positions=request.mrope_positions,
+                mrope_position_delta=request.mrope_position_delta,
+                grammar=request.grammar,
+            )
         return ScheduledRequest(
-            request=request,
+            request_id=rid,
             num_computed_tokens=request.num_computed_tokens,
             num_scheduled_tokens=plan.num_new_tokens,
-            block_ids=blocks,
+            new_block_ids=list(table[sent:]),
             encoder_inputs=plan.encode,
             ec_loads=plan.load,
             sample=not self.encoder_only and end >= request.num_tokens,
-            is_new=is_new,
+            new_request=new_request,
         )
 
     def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> bool:
@@ -380,6 +407,7 @@ class Scheduler:
             self.kv_connector.update_state_after_alloc(request, blocks, num_external)
 
     def _preempt(self, request: Request) -> None:
+        self._blocks_sent.pop(request.request_id, None)
         if self.kv_cache is not None:
             self.kv_cache.free(request.request_id)
         self.encoder_cache.free(request)
@@ -405,8 +433,8 @@ class Scheduler:
         outputs = self._pending_outputs
         self._pending_outputs = []
         for item in scheduler_output.scheduled:
-            request = item.request
-            if request.is_finished:
+            request = self._scheduled_requests.get(item.request_id)
+            if request is None or request.is_finished:
                 continue
             error = runner_output.failed.get(request.request_id)
             if error is not None:
