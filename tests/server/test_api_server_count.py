@@ -23,6 +23,7 @@ import openai
 import pytest
 from ec_frontend.metrics import parse_text
 
+from ..helpers.processes import free_port
 from .conftest import MOCK_MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -99,6 +100,19 @@ def listening_servers(parent: int, port: int) -> set[int]:
     }
 
 
+def engines(parent: int) -> set[int]:
+    """Engine processes (``engine/core_proc.py``) below ``parent``."""
+    found = set()
+    for pid in descendants(parent):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"ec_frontend.engine.core_proc" in cmdline:
+            found.add(pid)
+    return found
+
+
 def group(count: int = 2, *extra: str) -> ServerProcess:
     return ServerProcess(
         [
@@ -140,6 +154,7 @@ def pair() -> Iterator[ServerProcess]:
 
 
 def test_requests_spread_and_metrics_add_up(pair: ServerProcess) -> None:
+    assert len(engines(pair.proc.pid)) == 1
     sent = 24
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: chat(pair.url, f"hello {i}"), range(sent)))
@@ -164,6 +179,9 @@ def test_requests_spread_and_metrics_add_up(pair: ServerProcess) -> None:
         assert m['ec_frontend_e2e_request_latency_seconds_bucket{le="+Inf"}'] == sent
         assert m["ec_frontend_inter_token_latency_seconds_count"] == 3 * sent
         assert m["ec_frontend_http_requests_in_flight"] == 0
+        # The one engine's statistics, reported once (not once per server).
+        assert m["ec_frontend_generation_tokens_total"] == tokens
+        assert m["ec_frontend_requests_finished_total"] == sent
         if len(scraped_by) == 2:
             break
     assert scraped_by == {"0", "1"}
@@ -240,6 +258,20 @@ def test_a_dead_server_stops_the_group() -> None:
     assert wait_gone(tree) == set()
 
 
+def test_a_dead_engine_stops_the_group() -> None:
+    server = group()
+    try:
+        tree = descendants(server.proc.pid)
+        (engine,) = engines(server.proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert "engine process" in server.output()
+    finally:
+        server.kill()
+        server.stop()
+    assert wait_gone(tree) == set()
+
+
 def test_servers_die_with_the_parent() -> None:
     server = group()
     tree = descendants(server.proc.pid)
@@ -249,17 +281,23 @@ def test_servers_die_with_the_parent() -> None:
     assert wait_gone(tree) == set()
 
 
-@pytest.mark.parametrize("count", ["0", "-1"])
-def test_bad_count_is_a_startup_error(count: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--api-server-count", "0"], "--api-server-count must be > 0"),
+        (["--api-server-count", "-1"], "--api-server-count must be > 0"),
+        (
+            ["--api-server-count", "2", "--engine-mode", "inprocess"],
+            "--api-server-count > 1 needs --engine-mode multiprocess",
+        ),
+    ],
+)
+def test_bad_count_is_a_startup_error(flags: list[str], message: str) -> None:
     cli = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--mock-engine"]
-    done = subprocess.run(
-        [*cli, "--api-server-count", count],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    args = [*cli, "--port", str(free_port()), *flags]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "--api-server-count must be > 0" in done.stderr
+    assert message in done.stderr
 
 
 def test_one_server_is_the_default(mock_server: ServerProcess) -> None:

@@ -7,6 +7,12 @@ The parent process binds the port and supervises; it serves no HTTP itself.
   so ``--port 0`` works too) and hands socket *i* to server *i*; the kernel
   spreads new connections over them. Without ``SO_REUSEPORT`` every server
   accepts from one shared socket.
+* **Engine**: one engine process (``engine/core_proc.py``) started by the
+  parent before the servers, with one client per server; each server connects
+  an ``MPEngineClient`` to it (client *i*), keeps its own input processing,
+  detokenization and SSE, and reports the engine's statistics as the engine
+  sent them (they are not summed). With ``--mock-engine`` the engine process
+  runs the mock model. The group needs ``--engine-mode multiprocess``.
 * **Servers**: spawned processes (``multiprocessing`` spawn start method),
   each running the ordinary server (``launcher.serve``) on its inherited
   socket, each response naming its server index in ``x-ec-frontend-server``.
@@ -23,7 +29,10 @@ The parent process binds the port and supervises; it serves no HTTP itself.
 * **Failure**: a server that exits while the group is not draining brings the
   group down: the others are told to drain and the parent exits non-zero with
   the failed server's code (2 for a startup error, 1 otherwise), so a
-  supervisor restarts a whole server, never half of one.
+  supervisor restarts a whole server, never half of one. An engine process
+  that dies does the same (exit 1); one that cannot start is a startup error
+  (exit 2) before any server starts. Once the servers have exited the parent
+  stops the engine; the engine exits by itself if the parent dies.
 """
 
 from __future__ import annotations
@@ -39,13 +48,18 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
-from ec_frontend.entrypoints.launcher import ServeOptions, build_engine, serve
+from ec_frontend.entrypoints.launcher import (
+    EngineFactory,
+    ServeOptions,
+    StartupError,
+    mock_config,
+    serve,
+)
 from ec_frontend.metrics import share_values
 
 log = logging.getLogger("ec_frontend.api_servers")
@@ -103,6 +117,64 @@ class ServerHeader:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedEngine:
+    """The group's engine process, as an API server connects to it."""
+
+    address: str
+    config: Any
+    kind: str
+    model_id: str
+    max_model_len: int
+
+    def connect(self, index: int) -> EngineFactory:
+        """The engine factory of server ``index``: a client of this engine."""
+
+        def factory(opts: ServeOptions) -> tuple[Any, str, int]:
+            from ec_frontend.engine.mp_client import MPEngineClient, _load_processor
+
+            processor = _load_processor(self.config, self.kind)
+            client = MPEngineClient(
+                self.address, config=self.config, processor=processor, client_index=index
+            )
+            return client, self.model_id, self.max_model_len
+
+        return factory
+
+
+def start_engine(opts: ServeOptions, clients: int) -> tuple[Any, SharedEngine]:
+    """Start the group's engine process (the mock model with ``--mock-engine``) and
+    wait for it: ``(handle, shared)``."""
+    from ec_frontend.engine.core_proc import EngineProcess, EngineSpec
+
+    level = log.getEffectiveLevel()
+    if opts.mock_engine:
+        config: Any = mock_config(opts)
+        spec = EngineSpec(config, kind="mock", log_level=level)
+        facts = ("mock", config.model, config.max_model_len)
+    else:
+        from ec_frontend.entrypoints.real_engine import (
+            _builtin_id,
+            cpu_threads,
+            engine_config,
+            load_plugins,
+        )
+
+        load_plugins()
+        config, path = engine_config(opts)
+        threads = cpu_threads(opts, builtin=config.model_id == _builtin_id())
+        log.info("loading %s in the engine process for %d API servers", path, clients)
+        spec = EngineSpec(config, cpu_threads=threads, log_level=level)
+        facts = ("real", config.model_id, config.scheduler.max_model_len)
+    handle = EngineProcess.launch(spec, num_clients=clients)
+    try:
+        handle.wait_ready()
+    except BaseException:
+        handle.kill()
+        raise
+    return handle, SharedEngine(handle.address, config, *facts)
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSpec:
     """What one API server process is given (pickled into the spawned process)."""
 
@@ -110,6 +182,7 @@ class ServerSpec:
     index: int
     metrics_dir: str
     parent_pid: int
+    engine: SharedEngine
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -132,11 +205,23 @@ def run_api_server(spec: ServerSpec, sock: socket.socket) -> None:
     index = spec.index
     code = serve(
         spec.opts,
-        engine_factory=build_engine,
+        engine_factory=spec.engine.connect(index),
         sockets=[sock],
         wrap_app=lambda app: ServerHeader(app, index),
     )
-    sys.exit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown, once everything is stopped.
+
+    Tearing down torch and transformers (imported to read the model's config and
+    to preprocess) takes seconds per process, which would stretch the drain.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class ServerGroup:
@@ -144,14 +229,19 @@ class ServerGroup:
 
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
+        self.engine: SharedEngine | None = None
+        #: A pidfd of the engine process: readable once it has exited.
+        self.engine_fd: int | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.signals = 0
         self.failed: int | None = None
 
     def start(self, sockets: list[socket.socket], metrics_dir: str) -> None:
+        if self.engine is None:
+            raise StartupError("the API servers need the engine process first")
         ctx = multiprocessing.get_context("spawn")
         for index, sock in enumerate(sockets):
-            spec = ServerSpec(self.opts, index, metrics_dir, os.getpid())
+            spec = ServerSpec(self.opts, index, metrics_dir, os.getpid(), self.engine)
             proc = ctx.Process(
                 target=run_api_server,
                 args=(spec, sock),
@@ -185,7 +275,17 @@ class ServerGroup:
                 log.error("%d API servers still running after the drain: killing them", len(live))
                 self._signal_all(signal.SIGKILL)
                 deadline = float("inf")
-            wait([p.sentinel for p in live], timeout=0.5)
+            watched: list[Any] = [p.sentinel for p in live]
+            if self.engine_fd is not None:
+                watched.append(self.engine_fd)
+            ready = wait(watched, timeout=0.5)
+            if self.engine_fd is not None and self.engine_fd in ready:
+                os.close(self.engine_fd)
+                self.engine_fd = None
+                if not self.signals and self.failed is None:
+                    self.failed = 1
+                    log.error("the engine process exited: stopping the group")
+                    self.forward(signal.SIGTERM)
             for proc in live:
                 code = proc.exitcode
                 if code is None or self.signals or self.failed is not None:
@@ -204,11 +304,19 @@ def _verb(count: int) -> str:
     return "draining" if count == 1 else "stopping"
 
 
-def serve_group(opts: ServeOptions) -> int:
+def serve_group(opts: ServeOptions) -> NoReturn:
+    """Run the group (:func:`run_group`), then exit this process with its code."""
+    exit_now(run_group(opts))
+
+
+def run_group(opts: ServeOptions) -> int:
     """Run ``opts.api_server_count`` API servers on one port until they have drained."""
     count = opts.api_server_count
     if count < 1:
         log.error("cannot start: --api-server-count must be > 0, not %d", count)
+        return 2
+    if getattr(opts, "engine_mode", "multiprocess") != "multiprocess":
+        log.error("cannot start: --api-server-count > 1 needs --engine-mode multiprocess")
         return 2
     try:
         sockets = bind_sockets(opts.host, opts.port, count)
@@ -216,12 +324,20 @@ def serve_group(opts: ServeOptions) -> int:
         log.error("cannot bind %s:%d: %s", opts.host, opts.port, exc)
         return 1
     port = sockets[0].getsockname()[1]
-    metrics_dir = tempfile.mkdtemp(prefix="ec-frontend-metrics-")
     group = ServerGroup(opts)
-    handlers: dict[int, Callable[..., Any] | int | None] = {}
+    handlers = {sig: signal.signal(sig, group.forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    engine_handle: Any = None
+    metrics_dir = tempfile.mkdtemp(prefix="ec-frontend-metrics-")
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, group.forward)
+        try:
+            engine_handle, group.engine = start_engine(opts, count)
+        except (StartupError, ValueError, OSError, RuntimeError, ImportError) as exc:
+            log.error("cannot start: %s", exc)
+            return 2
+        if group.signals:  # stopped while the engine was loading
+            return 0
+        if hasattr(os, "pidfd_open"):
+            group.engine_fd = os.pidfd_open(engine_handle.pid)
         group.start(sockets, metrics_dir)
         for sock in set(sockets):
             sock.close()
@@ -229,6 +345,10 @@ def serve_group(opts: ServeOptions) -> int:
         return group.wait()
     finally:
         group._signal_all(signal.SIGKILL)
+        if engine_handle is not None:
+            engine_handle.terminate()
+        if group.engine_fd is not None:
+            os.close(group.engine_fd)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         for sock in sockets:
@@ -236,4 +356,11 @@ def serve_group(opts: ServeOptions) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-__all__ = ["SERVER_HEADER", "ServerHeader", "bind_sockets", "run_api_server", "serve_group"]
+__all__ = [
+    "SERVER_HEADER",
+    "ServerHeader",
+    "bind_sockets",
+    "run_api_server",
+    "run_group",
+    "serve_group",
+]

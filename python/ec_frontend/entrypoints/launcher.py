@@ -87,18 +87,25 @@ class StartupError(Exception):
     """The server cannot start as configured (bad flag values, unloadable model)."""
 
 
+def mock_config(opts: ServeOptions) -> Any:
+    """The ``MockEngineConfig`` of ``--mock-engine`` with these options."""
+    from ec_frontend.entrypoints.mock_engine import MockEngineConfig
+
+    return MockEngineConfig(
+        model=opts.model or "mock",
+        max_model_len=opts.max_model_len or 4096,
+        max_num_seqs=opts.max_num_seqs or 256,
+        token_latency_s=opts.mock_token_latency_s,
+    )
+
+
 def build_engine(opts: ServeOptions) -> tuple[Any, str, int]:
     """``(engine, model_id, max_model_len)`` for the options."""
     if opts.mock_engine:
-        from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
+        from ec_frontend.entrypoints.mock_engine import MockEngine
 
-        max_len = opts.max_model_len or 4096
-        cfg = MockEngineConfig(
-            model=opts.model or "mock",
-            max_model_len=max_len,
-            max_num_seqs=opts.max_num_seqs or 256,
-            token_latency_s=opts.mock_token_latency_s,
-        )
+        cfg = mock_config(opts)
+        max_len = cfg.max_model_len
         if opts.engine_mode == "multiprocess":
             from ec_frontend.engine.mp_client import MPEngineClient
 
