@@ -132,7 +132,7 @@ class ModelRunner:
         for rid in so.preempted_req_ids:
             self._drop(rid)
         for item in so.scheduled:
-            self._update_state(item)
+            self._update_state(item, out)
         for mm_hash in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         meta = so.ec_connector_metadata or ECConnectorMetadata()
@@ -156,7 +156,10 @@ class ModelRunner:
         if state is not None:
             self.input_batch.free_row(state.row)
 
-    def _update_state(self, item: ScheduledRequest) -> None:
+    def _update_state(self, item: ScheduledRequest, out: ModelRunnerOutput) -> None:
+        """Apply the step's news about one request. A request entering the batch has
+        its token ids checked against the vocabulary here, once: the ids of later
+        steps are the ones the runner sampled, so no step checks them on the device."""
         data = item.new_request
         if data is None:
             state = self.requests.get(item.request_id)
@@ -176,6 +179,13 @@ class ModelRunner:
                 self.model.vocab_size, self.model.device, data.prompt_token_ids, outputs
             )
         self.requests[data.request_id] = CachedRequest(data, row, outputs, penalties)
+        if not self.encoder_only:
+            vocab = self.model.vocab_size
+            for name, ids in (("prompt", data.prompt_token_ids), ("output", outputs)):
+                if ids and not (min(ids) >= 0 and max(ids) < vocab):
+                    out.failed[data.request_id] = (
+                        f"{name} token ids must lie in the vocabulary [0, {vocab})"
+                    )
 
     def _record_sampled(self, state: CachedRequest, token: int) -> None:
         state.output_token_ids.append(token)

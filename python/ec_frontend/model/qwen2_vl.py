@@ -125,8 +125,12 @@ class Qwen2VLModel(VisionLanguageModel):
     @torch.no_grad()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         language = self._language()
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size
+        # Ids already on an accelerator come from the engine, which checks them once
+        # at admission; checking them here would wait for the device every step.
+        if (
+            input_ids.device.type == "cpu"
+            and input_ids.numel()
+            and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size)
         ):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         embeds = language.embed_tokens(input_ids.to(self.device))
