@@ -1,6 +1,6 @@
 """Output tokens/s of ec-frontend against ``transformers`` ``generate`` per model family.
 
-For each family (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5) a mid-size random checkpoint is
+For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5) a mid-size random checkpoint is
 written with ``transformers``' own classes (decoder hidden 1024 in 8 layers; the
 vision tower at its real depth, narrowed), then the same workload runs on both:
 one image plus a short question, ``--max-tokens`` greedy tokens with EOS ignored,
@@ -11,7 +11,8 @@ one image plus a short question, ``--max-tokens`` greedy tokens with EOS ignored
   processor's batch of 1, then of 8 (the 8 concurrent requests as one batch).
 
 Both sides run on the CPU in float32 with the same number of torch threads
-(``--threads``); one run each. Writes ``benches/results/bench_models.json``.
+(``--threads``); one run each. Writes ``benches/results/bench_models.json``
+(a run of some ``--families`` replaces those families' rows and keeps the others).
 
 Run: ``.venv/bin/python benches/bench_models.py [--threads 2] [--max-tokens 32]``.
 """
@@ -44,6 +45,7 @@ from transformers import (  # noqa: E402
     LlavaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from tests.families import conftest as ckpt  # noqa: E402
@@ -56,7 +58,8 @@ TEXT = {
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
 }
-#: Real depths (Qwen2-VL / Qwen2.5-VL: 32 blocks; CLIP ViT-L: 24 layers at 336 px), width 256.
+#: Real depths (Qwen2-VL / Qwen2.5-VL: 32 blocks; Qwen3-VL-2B/4B: 24 blocks with DeepStack
+#: mergers after blocks 5, 11 and 17; CLIP ViT-L: 24 layers at 336 px), width 256.
 FAMILIES: dict[str, tuple[Any, dict[str, Any], Any, Any]] = {
     "Qwen2-VL": (
         ckpt.write_qwen2_vl,
@@ -76,6 +79,23 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any], Any, Any]] = {
         },
         Qwen2_5_VLForConditionalGeneration,
         ckpt.load_hf_processor,
+    ),
+    "Qwen3-VL": (
+        # head_dim given explicitly (Qwen3's config defaults it to 128): hidden / heads.
+        lambda directory, text, vision: ckpt.write_qwen3_vl(
+            directory, {**text, "head_dim": 64}, vision
+        ),
+        {
+            "depth": 24,
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_heads": 4,
+            "patch_size": 16,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
+        Qwen3VLForConditionalGeneration,
+        functools.partial(ckpt.load_hf_processor, processor_class=ckpt.ImageOnlyQwen3VLProcessor),
     ),
     "LLaVA-1.5": (
         functools.partial(ckpt.write_llava, image_size=336),
@@ -202,8 +222,20 @@ def main() -> None:
         },
         "rows": rows,
     }
+    path = RESULTS / "bench_models.json"
+    result["rows"] = _merged_rows(path, rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_models.json").write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _merged_rows(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows``, plus the earlier rows of ``path`` for families this run left out,
+    in :data:`FAMILIES` order."""
+    by_family = {}
+    if path.is_file():
+        by_family = {r["family"]: r for r in json.loads(path.read_text()).get("rows", [])}
+    by_family.update({r["family"]: r for r in rows})
+    return [by_family[name] for name in FAMILIES if name in by_family]
 
 
 if __name__ == "__main__":

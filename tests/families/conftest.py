@@ -27,6 +27,10 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessor,
+    LlavaNextProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
@@ -297,6 +301,58 @@ def write_llava(
 ) -> Path:
     """A LLaVA-1.5 checkpoint (tiny by default: a 2-layer Llama decoder, hidden 64,
     GQA 4/2, a 3-layer CLIP tower on 56x56 images: 16 patches -> 16 image tokens)."""
+    return _write_llava_like(
+        directory,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        llava_image_processor(image_size),
+        text=text,
+        vision=vision,
+        image_size=image_size,
+        extra={"image_seq_length": (image_size // 14) ** 2},
+    )
+
+
+def llava_next_pinpoints(tile: int) -> list[list[int]]:
+    """LLaVA-NeXT's resolutions (``[[336, 672], [672, 336], [672, 672], [1008, 336],
+    [336, 1008]]`` at 336 px tiles) for tiles of ``tile`` pixels."""
+    return [[tile * h, tile * w] for h, w in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]
+
+
+def write_llava_next(
+    directory: Path,
+    text: dict[str, Any] = TINY_TEXT,
+    vision: dict[str, Any] = TINY_CLIP,
+    image_size: int = LLAVA_IMAGE_SIZE,
+) -> Path:
+    """A LLaVA-NeXT checkpoint: LLaVA-1.5's tiny parts, anyres tiles of 56 px (each
+    4x4 features) over the five LLaVA-NeXT resolutions, and an image newline."""
+    return _write_llava_like(
+        directory,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+        llava_next_image_processor(image_size),
+        text=text,
+        vision=vision,
+        image_size=image_size,
+        extra={"image_grid_pinpoints": llava_next_pinpoints(image_size)},
+    )
+
+
+def _write_llava_like(
+    directory: Path,
+    config_class: type,
+    model_class: type,
+    processor_class: type,
+    image_processor: Any,
+    *,
+    text: dict[str, Any],
+    vision: dict[str, Any],
+    image_size: int,
+    extra: dict[str, Any],
+) -> Path:
     tok = tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = LLAVA_TEMPLATE
@@ -312,21 +368,27 @@ def write_llava(
         image_size=image_size, patch_size=14, projection_dim=32,
         initializer_range=INITIALIZER_RANGE, **vision,
     )  # fmt: skip
-    config = LlavaConfig(
+    config = config_class(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=image_id,
-        image_seq_length=(image_size // 14) ** 2,
         initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=False,
+        **extra,
     )
     torch.manual_seed(SEED)
-    model = LlavaForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(directory)
-    processor = LlavaProcessor(
-        image_processor=llava_image_processor(image_size),
+    processor = llava_processor(processor_class, image_processor, tok)
+    save_processor(processor, directory, processor_class.__name__)
+    return directory
+
+
+def llava_processor(processor_class: type, image_processor: Any, tok: Any) -> Any:
+    return processor_class(
+        image_processor=image_processor,
         tokenizer=tok,
         patch_size=14,
         vision_feature_select_strategy="default",
@@ -334,8 +396,22 @@ def write_llava(
         image_token="<image>",
         num_additional_image_tokens=1,
     )
-    save_processor(processor, directory, "LlavaProcessor")
-    return directory
+
+
+def llava_next_image_processor(image_size: int = LLAVA_IMAGE_SIZE) -> LlavaNextImageProcessor:
+    return LlavaNextImageProcessor(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        image_grid_pinpoints=llava_next_pinpoints(image_size),
+    )
+
+
+def load_hf_llava_next_processor(directory: Path) -> LlavaNextProcessor:
+    return llava_processor(
+        LlavaNextProcessor,
+        LlavaNextImageProcessor.from_pretrained(directory),
+        PreTrainedTokenizerFast.from_pretrained(directory),
+    )
 
 
 def llava_image_processor(image_size: int = LLAVA_IMAGE_SIZE) -> CLIPImageProcessor:
@@ -345,20 +421,21 @@ def llava_image_processor(image_size: int = LLAVA_IMAGE_SIZE) -> CLIPImageProces
 
 
 def load_hf_llava_processor(directory: Path) -> LlavaProcessor:
-    return LlavaProcessor(
-        image_processor=CLIPImageProcessor.from_pretrained(directory),
-        tokenizer=PreTrainedTokenizerFast.from_pretrained(directory),
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        chat_template=(directory / "chat_template.jinja").read_text(encoding="utf-8"),
-        image_token="<image>",
-        num_additional_image_tokens=1,
+    return llava_processor(
+        LlavaProcessor,
+        CLIPImageProcessor.from_pretrained(directory),
+        PreTrainedTokenizerFast.from_pretrained(directory),
     )
 
 
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="session")
+def llava_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llava_next(tmp_path_factory.mktemp("llava_next"))
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ seeded random values instead (for benchmarks of real shapes without weights).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -258,6 +259,7 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
             model_id=model_id,
             positions=family.positions(config),
             spatial_merge_size=family.spatial_merge_size(config),
+            image_tokens=functools.partial(family.num_image_tokens, config),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(

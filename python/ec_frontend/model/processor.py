@@ -21,7 +21,7 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -114,6 +114,7 @@ class InputProcessor:
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         positions: PositionSpec | None = None,
         patch_size: int | None = None,
+        image_tokens: Callable[[tuple[int, int, int]], int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         #: Vision patch size, for image processors that give pixels but no grid
@@ -124,6 +125,9 @@ class InputProcessor:
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.spatial_merge_size = spatial_merge_size
+        #: Placeholder tokens of an image grid (the family's count; default
+        #: ``t * h * w / merge**2``).
+        self.image_tokens = image_tokens or self._merged_tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.model_id = model_id
@@ -171,6 +175,7 @@ class InputProcessor:
         model_id: str = "",
         positions: PositionSpec | None = None,
         spatial_merge_size: int | None = None,
+        image_tokens: Callable[[tuple[int, int, int]], int] | None = None,
     ) -> InputProcessor:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = AutoImageProcessor.from_pretrained(directory)
@@ -188,7 +193,11 @@ class InputProcessor:
             model_id=model_id,
             positions=positions,
             patch_size=getattr(config.vision_config, "patch_size", None),
+            image_tokens=image_tokens,
         )
+
+    def _merged_tokens(self, grid: tuple[int, int, int]) -> int:
+        return grid[0] * grid[1] * grid[2] // self.spatial_merge_size**2
 
     @property
     def eos_token_id(self) -> int | None:
@@ -246,7 +255,7 @@ class InputProcessor:
                 out_ids.append(token)
                 continue
             mm_hash, grid, pixels = next(images)
-            length = grid[0] * grid[1] * grid[2] // self.spatial_merge_size**2
+            length = self.image_tokens(grid)
             features.append(MultiModalFeature(mm_hash, len(out_ids), length, grid, pixels))
             out_ids.extend([self.image_token_id] * length)
         return self._finish(out_ids, features, text)
@@ -272,7 +281,7 @@ class InputProcessor:
         """Token ids with expanded placeholders plus ``{"mm_hashes", "mm_placeholders",
         "mm_grid_thw"}``; the features get ``pixel_values=None``."""
         ids = self._check_ids(token_ids)
-        mm = _generate_features(features, len(ids), self.spatial_merge_size)
+        mm = _generate_features(features, len(ids), self.spatial_merge_size, self.image_tokens)
         covered = 0
         for feat in mm:
             span = ids[feat.offset : feat.offset + feat.length]
@@ -397,6 +406,9 @@ class InputProcessor:
         pixels = out["pixel_values"].to(torch.float32)
         if "image_grid_thw" in out:
             t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        elif "image_sizes" in out and pixels.ndim == 5:
+            # Anyres tiling: [1, tiles, 3, H, W]; the grid is the original size in pixels.
+            t, (h, w), pixels = 1, (int(v) for v in out["image_sizes"][0]), pixels[0]
         elif self.patch_size and pixels.ndim == 4:
             t, h, w = 1, pixels.shape[2] // self.patch_size, pixels.shape[3] // self.patch_size
         else:
@@ -487,7 +499,10 @@ def _image_order(messages: Sequence[Mapping[str, Any]], num_media: int) -> list[
 
 
 def _generate_features(
-    features: Mapping[str, Any] | None, num_tokens: int, merge: int
+    features: Mapping[str, Any] | None,
+    num_tokens: int,
+    merge: int,
+    image_tokens: Callable[[tuple[int, int, int]], int],
 ) -> list[MultiModalFeature]:
     if not features:
         return []
@@ -514,7 +529,7 @@ def _generate_features(
             )
         offset, length = _placeholder(place, i)
         thw = _grid(grid, i, merge)
-        expected = thw[0] * thw[1] * thw[2] // merge**2
+        expected = image_tokens(thw)
         if length != expected:
             raise InputError(
                 f"features.mm_placeholders[{i}].length is {length}, but grid {list(thw)} "

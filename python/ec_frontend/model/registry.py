@@ -45,6 +45,7 @@ FAMILIES: Mapping[str, str] = {
     "qwen2_5_vl": "ec_frontend.model.qwen2_5_vl",
     "llava": "ec_frontend.model.llava",
     "qwen3_vl": "ec_frontend.model.qwen3_vl",
+    "llava_next": "ec_frontend.model.llava_next",
 }
 
 
@@ -93,7 +94,8 @@ class ModelFamily:
     ``merge_size`` reads how many patches per side one placeholder token merges
     (default: ``vision_config.spatial_merge_size``). ``language_model`` is
     ``"module:Class"`` of the paged decoder, built from what ``text_config`` returns
-    (default: the Qwen2 decoder).
+    (default: the Qwen2 decoder). ``image_tokens`` counts an image's placeholder
+    tokens from its grid where that is not ``t * h * w / merge**2`` (anyres tiling).
     """
 
     name: str
@@ -107,6 +109,7 @@ class ModelFamily:
     model_class: str = "ec_frontend.model.qwen2_vl:Qwen2VLModel"
     merge_size: Callable[[PretrainedConfig], int] | None = None
     language_model: str = "ec_frontend.model.qwen2_text:Qwen2TextModel"
+    image_tokens: Callable[[PretrainedConfig, tuple[int, int, int]], int] | None = None
 
     def build_vision(self, config: PretrainedConfig) -> nn.Module:
         """The vision part, built from the checkpoint config (float32 buffers)."""
@@ -130,6 +133,8 @@ class ModelFamily:
 
     def num_image_tokens(self, config: PretrainedConfig, grid_thw: tuple[int, int, int]) -> int:
         """Placeholder tokens (= encoder output rows) of an image with patch grid ``grid_thw``."""
+        if self.image_tokens is not None:
+            return self.image_tokens(config, grid_thw)
         t, h, w = grid_thw
         return t * h * w // self.spatial_merge_size(config) ** 2
 
