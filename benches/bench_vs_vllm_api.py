@@ -60,7 +60,7 @@ MODEL = "tiny"
 SERVERS = ("ec-frontend", "vllm-api")
 SUMMARY_KEYS = (
     "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "server_cpu_ms_per_request",
-    "server_busy_cores",
+    "api_process_cpu_ms_per_request", "server_busy_cores",
 )  # fmt: skip
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
@@ -83,16 +83,21 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its descendants."""
-    total = 0.0
-    for p in tree_pids(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_sample(servers: dict[str, Server]) -> dict[str, tuple[float, float]]:
+    """Per server: (CPU seconds of its process tree, of its API process alone)."""
+    return {
+        name: (sum(cpu_seconds(p) for p in tree_pids(s.proc.pid)), cpu_seconds(s.proc.pid))
+        for name, s in servers.items()
+    }
 
 
 class Server:
@@ -135,13 +140,15 @@ class Server:
         self.log.close()
 
 
-def start_servers(model: Path, vllm_python: Path, latency_ms: float) -> dict[str, Server]:
+def start_servers(
+    model: Path, vllm_python: Path, latency_ms: float, ec_args: list[str]
+) -> dict[str, Server]:
     ours = Server(
         "ec-frontend",
         [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--mock-engine",
          "--model", str(model), "--served-model-name", MODEL, "--port", "{port}",
          "--max-model-len", "4096", "--log-level", "warning",
-         "--mock-token-latency-ms", str(latency_ms)],
+         "--mock-token-latency-ms", str(latency_ms), *ec_args],
         {"EC_FRONTEND_MOCK_IMAGE_MODEL": str(model)},
     )  # fmt: skip
     env = {k: v for k, v in OFFLINE.items()}
@@ -217,10 +224,10 @@ def plan(
 
 def run_client(
     vllm_python: Path, runs: list[dict[str, Any]], servers: dict[str, Server], out: Path
-) -> tuple[dict[str, float], str]:
+) -> tuple[dict[str, tuple[float, float]], str]:
     """Run every run in one client process; each run's server CPU seconds (the CPU its
-    target server used between the run's start marker and the next one), and the
-    client's output."""
+    target server's process tree and API process used between the run's start marker
+    and the next one), and the client's output."""
     spec = out / "runs.json"
     spec.write_text(json.dumps([{"name": r["name"], "argv": r["argv"]} for r in runs]))
     env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
@@ -233,27 +240,26 @@ def run_client(
         env=env,
         cwd=out,
     )
-    marks: list[tuple[str, dict[str, float]]] = []
+    marks: list[tuple[str, dict[str, tuple[float, float]]]] = []
     lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("=== "):
-            cpu = {n: tree_cpu_seconds(s.proc.pid) for n, s in servers.items()}
-            marks.append((line[4:].strip(), cpu))
+            marks.append((line[4:].strip(), cpu_sample(servers)))
     proc.wait()
-    end = {n: tree_cpu_seconds(s.proc.pid) for n, s in servers.items()}
+    end = cpu_sample(servers)
     by_name = {r["name"]: r["server"] for r in runs}
-    cpu_used: dict[str, float] = {}
+    cpu_used: dict[str, tuple[float, float]] = {}
     for i, (name, cpu) in enumerate(marks):
         after = marks[i + 1][1] if i + 1 < len(marks) else end
         server = by_name[name]
-        cpu_used[name] = after[server] - cpu[server]
+        cpu_used[name] = (after[server][0] - cpu[server][0], after[server][1] - cpu[server][1])
     return cpu_used, "".join(lines)
 
 
 def summarize(
-    runs: list[dict[str, Any]], cpu_used: dict[str, float], out: Path, output: str
+    runs: list[dict[str, Any]], cpu_used: dict[str, tuple[float, float]], out: Path, output: str
 ) -> dict[str, Any]:
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for run in runs:
@@ -263,6 +269,8 @@ def summarize(
         if not path.is_file():
             raise RuntimeError(f"no result for {run['name']}:\n{output[-6000:]}")
         res = json.loads(path.read_text())
+        tree, api = cpu_used[run["name"]]
+        requests = res["completed"] + 1  # and the client's initial test request
         row = {
             "round": run["label"],
             "completed": res["completed"],
@@ -274,10 +282,10 @@ def summarize(
             "ttft_p99_ms": res["p99_ttft_ms"],
             "tpot_p50_ms": res["p50_tpot_ms"],
             "e2el_p50_ms": res["p50_e2el_ms"],
-            # one more request than completed: the client's initial test request
-            "server_cpu_ms_per_request": 1000 * cpu_used[run["name"]] / (res["completed"] + 1),
+            "server_cpu_ms_per_request": 1000 * tree / requests,
+            "api_process_cpu_ms_per_request": 1000 * api / requests,
             # below 1: the server waited for the client (or for other load on the host)
-            "server_busy_cores": cpu_used[run["name"]] / res["duration"],
+            "server_busy_cores": tree / res["duration"],
         }
         rows.setdefault(run["scenario"], {}).setdefault(run["server"], []).append(row)
     summary: dict[str, Any] = {}
@@ -296,6 +304,8 @@ def summarize(
             ],
             "ratio_server_cpu_per_request": med["vllm-api"]["server_cpu_ms_per_request"]
             / med["ec-frontend"]["server_cpu_ms_per_request"],
+            "ratio_api_process_cpu_per_request": med["vllm-api"]["api_process_cpu_ms_per_request"]
+            / med["ec-frontend"]["api_process_cpu_ms_per_request"],
             "failed": {s: sum(r["failed"] for r in rs) for s, rs in by_server.items()},
             "output_tokens": {s: [r["output_tokens"] for r in rs] for s, rs in by_server.items()},
             "rounds": by_server,
@@ -329,8 +339,8 @@ def engine_mode(server: Server) -> str:
     """How the ec-frontend server runs its (mock) engine, observed from its processes."""
     children = len(tree_pids(server.proc.pid)) - 1
     if children == 0:
-        return "in-process engine (one process)"
-    return f"engine outside the API process ({children} child processes)"
+        return "engine in the API process (one process)"
+    return f"engine outside the API process ({children + 1} processes)"
 
 
 def main() -> None:
@@ -343,6 +353,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--token-latency-ms", type=float, default=0.0)
+    p.add_argument(
+        "--ec-frontend-args",
+        default="",
+        help="more `ec-frontend serve` flags, one string (e.g. '--engine-mode inprocess')",
+    )
     p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -351,7 +366,8 @@ def main() -> None:
     if not vllm_python.is_file():
         sys.exit(f"{vllm_python} is missing: run `bash scripts/setup_vllm.sh`")
     model = ensure_builtin_checkpoint()
-    servers = start_servers(model, vllm_python, args.token_latency_ms)
+    ec_args = args.ec_frontend_args.split()
+    servers = start_servers(model, vllm_python, args.token_latency_ms, ec_args)
     mode = engine_mode(servers["ec-frontend"])
     load_before = os.getloadavg()
     try:
@@ -365,7 +381,7 @@ def main() -> None:
             server.stop()
 
     template_ms = template_cost_ms(model, args.input_len)
-    print(f"ec-frontend: serve --mock-engine, {mode}")
+    print(f"ec-frontend: serve --mock-engine {' '.join(ec_args)}".rstrip() + f", {mode}")
     print(f"ec-frontend's real chat template + tokenizer: {template_ms:.3f} ms CPU per request")
     for scenario, s in summary.items():
         for server in SERVERS:
@@ -374,7 +390,8 @@ def main() -> None:
                 f"{scenario:11s} {server:12s} {m['requests_per_s']:8.1f} req/s  "
                 f"TTFT p50 {m['ttft_p50_ms']:7.1f} ms  p99 {m['ttft_p99_ms']:7.1f} ms  "
                 f"server CPU {m['server_cpu_ms_per_request']:6.2f} ms/req, "
-                f"{m['server_busy_cores']:.2f} cores  "
+                f"{m['server_busy_cores']:.2f} cores (API process "
+                f"{m['api_process_cpu_ms_per_request']:.2f} ms/req)  "
                 f"failed {s['failed'][server]}"
             )
         ours_cpu = s["median"]["ec-frontend"]["server_cpu_ms_per_request"] + template_ms
@@ -385,7 +402,8 @@ def main() -> None:
         print(
             f"{scenario:11s} ratio {s['ratio_requests_per_s']:.2f}x req/s (rounds: {rounds}); "
             f"server CPU per request {s['ratio_server_cpu_per_request']:.2f}x less "
-            f"({s['ratio_server_cpu_per_request_with_template']:.2f}x with the template cost)"
+            f"({s['ratio_server_cpu_per_request_with_template']:.2f}x with the template cost; "
+            f"API process alone {s['ratio_api_process_cpu_per_request']:.2f}x less)"
         )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
@@ -394,7 +412,7 @@ def main() -> None:
         "benchmark": "bench_vs_vllm_api",
         "command": "python benches/bench_vs_vllm_api.py " + " ".join(sys.argv[1:]),
         "commit": commit,
-        "ec_frontend_mode": f"serve --mock-engine, {mode}",
+        "ec_frontend_mode": f"serve --mock-engine {' '.join(ec_args)}".rstrip() + f", {mode}",
         "vllm": "0.33.0 API server layer (build_app + init_app_state) over a stub engine client",
         "settings": {k: v for k, v in vars(args).items() if k not in ("vllm_venv", "out")},
         "machine": {
