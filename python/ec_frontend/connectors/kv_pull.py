@@ -8,8 +8,8 @@ above their transports, and that part lives here:
   ``{"do_remote_decode": true}`` and that finished normally keeps its blocks
   (delayed free) under a :class:`Hold`; its ``kv_transfer_params`` carry NIXL's
   keys plus what decode checks (``remote_num_tokens``, ``first_token_id``,
-  ``mrope_position_delta``, ``prompt_hash``, the hold's ``token``) and whatever
-  the transport adds; the blocks are freed once decode has them or after
+  ``mrope_position_delta`` when not 0, ``prompt_hash``, the hold's ``token``) and
+  whatever the transport adds; the blocks are freed once decode has them or after
   ``ttl_s``;
 * decode (``kv_consumer`` / ``kv_both``): params that describe the request and
   pass the trust checks park it while a worker thread moves the KV; unusable
@@ -272,6 +272,9 @@ class KVPullConnector(KVConnectorBase):
         where = self.hold_params(request, list(block_ids), token)
         if where is None:
             return False, None
+        # Only an M-RoPE prompt has a non-zero delta; decode reads an absent key as 0.
+        delta = request.mrope_position_delta
+        positions = {"mrope_position_delta": delta} if delta else {}
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -281,7 +284,7 @@ class KVPullConnector(KVConnectorBase):
             **where,
             "remote_num_tokens": request.num_prompt_tokens,
             "first_token_id": request.output_token_ids[0],
-            "mrope_position_delta": request.mrope_position_delta,
+            **positions,
             "prompt_hash": prompt_hash(request.prompt_token_ids),
             TOKEN_KEY: token,
         }

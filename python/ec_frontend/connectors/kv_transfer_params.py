@@ -2,8 +2,9 @@
 
 Prefill adds to NIXL's keys what decode needs to continue without computing a
 prompt token: ``remote_num_tokens``, ``first_token_id``,
-``mrope_position_delta``, ``prompt_hash`` (a digest of the prompt's token
-ids) and ``token`` (the credential prefill asks for before it sends the KV).
+``mrope_position_delta`` (absent: 0, as for every 1-D RoPE family),
+``prompt_hash`` (a digest of the prompt's token ids) and ``token`` (the
+credential prefill asks for before it sends the KV).
 :func:`parse_remote_prefill` accepts params only when they describe the
 very request decode is serving.
 """
@@ -50,7 +51,7 @@ def parse_remote_prefill(params: dict[str, Any], request: Request) -> RemotePref
     host, port = params.get("remote_host"), _int(params.get("remote_port"))
     engine_id, rid = params.get("remote_engine_id"), params.get("remote_request_id")
     blocks, num_tokens = params.get("remote_block_ids"), _int(params.get("remote_num_tokens"))
-    first, delta = _int(params.get("first_token_id")), _int(params.get("mrope_position_delta"))
+    first, delta = _int(params.get("first_token_id")), _int(params.get("mrope_position_delta", 0))
     bad_host = not isinstance(host, str) or not host or len(host) > 255
     if bad_host or port is None or not 0 < port < 65536:
         return "remote_host / remote_port missing or invalid"
