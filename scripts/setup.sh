@@ -37,5 +37,22 @@ if ! maturin develop --release -q >"$log" 2>&1; then
     exit 1
 fi
 rm -f "$log"
+# Test-only: transformers' torchvision image-processor backend, the second reference of
+# tests/preprocess and benches/bench_preprocess.py. Kept out of the venv's site-packages
+# (with torchvision importable, transformers would pick that backend everywhere): those
+# two put this directory on PYTHONPATH of a child process. --no-deps: the venv's torch
+# serves it. A failed install only leaves that comparison skipped.
+TORCHVISION="torchvision==0.29.2"
+extras=.venv/extras/torchvision
+if [ "$(cat "$extras/.requirement" 2>/dev/null || true)" != "$TORCHVISION" ]; then
+    rm -rf "$extras"
+    if .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+        --target "$extras" "$TORCHVISION"; then
+        echo "$TORCHVISION" >"$extras/.requirement"
+    else
+        echo "setup: $TORCHVISION could not be installed (tests/preprocess skip that comparison)" >&2
+    fi
+fi
+
 .venv/bin/python -c "import ec_frontend._core" \
     || { echo "setup: the native extension did not build" >&2; exit 1; }

@@ -1,8 +1,8 @@
 """The native Qwen2-VL preprocessing against transformers' processor (PIL backend) on
 a generated corpus: grids and placeholder counts exact, ``pixel_values`` equal.
 
-transformers' torchvision backend is not compared: torchvision is not installed in
-this environment (and is not added to it for a test).
+transformers' torchvision backend is compared in ``test_torchvision`` (a test-only
+install run in a child process).
 """
 
 from __future__ import annotations
