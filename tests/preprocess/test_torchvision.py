@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def torchvision_out(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if not (TORCHVISION_DIR / "torchvision").is_dir():
-        pytest.skip(f"torchvision is not installed in {TORCHVISION_DIR} (scripts/setup.sh installs it)")  # fmt: skip
+        pytest.skip(f"torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh installs it)")
     out = tmp_path_factory.mktemp("torchvision") / "reference.npz"
     env = dict(os.environ, PYTHONPATH=str(TORCHVISION_DIR))
     subprocess.run(
