@@ -12,10 +12,19 @@ waits at most ``timeout_s``; a call that overruns is reported as failed and, whi
 it is still running, every later call fails at once instead of queueing behind it.
 A call that may still write into memory is therefore never overlapped by another
 one using the same buffers.
+
+Mooncake's store library also tears every client down in a C exit handler, after
+Python has finished: each client unmounts its segment from its master and joins
+threads that wait on that master. With the master gone that takes seconds, with a
+master that accepts connections and never answers it never ends, and the native
+``close`` holds the GIL while it waits. :func:`leave_without_teardown` is the way
+out for a client whose master does not answer: the client is kept alive to the
+end and the process leaves, with its own exit status, before those handlers run.
 """
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import importlib
 import ipaddress
@@ -124,6 +133,34 @@ def host_toward(address: str) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+_EXIT_GUARD_LOCK = threading.Lock()
+_exit_guarded = False
+
+
+def leave_without_teardown(client: Any) -> None:
+    """Never destroy ``client`` and skip the native exit handlers registered so far.
+
+    For a Store client whose master does not answer: its destructor and Mooncake's
+    exit-time cleanup would wait on that master (forever, for one that hangs). The
+    master forgets the client when its heartbeats stop. Python's own exit steps
+    (``atexit``, flushing) still run; glibc's ``on_exit`` then calls ``_exit`` with
+    the process's exit status ahead of the handlers Mooncake registered before.
+    """
+    global _exit_guarded
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+    with _EXIT_GUARD_LOCK:
+        if _exit_guarded:
+            return
+        libc = ctypes.CDLL(None)
+        on_exit = getattr(libc, "on_exit", None)
+        if on_exit is None:  # not glibc: the native teardown runs as it will
+            logger.warning("this C library has no on_exit: Mooncake's exit handlers will run")
+            return
+        on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        if on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None) == 0:
+            _exit_guarded = True
 
 
 def unreachable(master: str, metadata_url: str, timeout_s: float) -> str | None:

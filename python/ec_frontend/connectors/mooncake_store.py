@@ -49,9 +49,12 @@ elsewhere.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +74,7 @@ from ec_frontend.connectors.mooncake_common import (
     CallTimeout,
     host_toward,
     import_mooncake,
+    leave_without_teardown,
     merged_extra,
     parse_size,
     positive_float,
@@ -93,6 +97,8 @@ HEADER = struct.Struct("<IIQQ")
 #: Items read in one batch (each needs a header slot in a registered buffer).
 _HEADERS = 256
 _DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}
+#: How long :meth:`EmbeddingStore.close` waits for the master to answer a probe.
+CLOSE_PROBE_S = 2.0
 
 
 def embedding_namespace(
@@ -254,6 +260,44 @@ class EmbeddingStore:
         )
         if ret != 0:
             raise ConfigError(f"Mooncake Store refused a buffer (code {ret})", "mooncake")
+        self._close_lock = threading.Lock()
+        self._closed = False
+        _OPEN.add(self)
+
+    def close(self) -> None:
+        """Unmount from the master and stop the client, in bounded time.
+
+        The native close waits on the master (holding the GIL), so it runs only when
+        the master answers a probe (at most ``CLOSE_PROBE_S``) and no earlier call is
+        stuck. Otherwise the client is left as it is and the process will leave
+        without Mooncake's native teardown (:func:`leave_without_teardown`).
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _OPEN.discard(self)
+        s = self.settings
+        why = (
+            "an earlier call has not returned"
+            if self.calls.stuck
+            else unreachable(
+                s.master_server_address, s.metadata_server, min(s.timeout_s, CLOSE_PROBE_S)
+            )
+        )
+        if why is None:
+            try:
+                self.calls.call(self.store.close)
+            except CallTimeout as exc:
+                why = str(exc)
+        if why is not None:
+            logger.warning(
+                "Mooncake Store at %s: %s; this client leaves without unmounting "
+                "(the master drops it when its heartbeats stop)",
+                s.master_server_address,
+                why,
+            )
+            leave_without_teardown(self.store)
 
     def key(self, mm_hash: str) -> str:
         return embedding_key(self.settings.namespace, mm_hash)
@@ -369,6 +413,16 @@ class EmbeddingStore:
         return found
 
 
+_OPEN: weakref.WeakSet[EmbeddingStore] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    """At exit, every Store client still open closes (bounded) before the native teardown."""
+    for store in list(_OPEN):
+        store.close()
+
+
 class MooncakeStoreECConnector(ECConnectorBase):
     """Encoder outputs in Mooncake Store under vLLM's key namespace."""
 
@@ -418,6 +472,9 @@ class MooncakeStoreECConnector(ECConnectorBase):
         return False, (params or None)
 
     # ---- worker side ----------------------------------------------------
+
+    def close(self) -> None:
+        self.store.close()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
         specs = {s.mm_hash: s for s in self.metadata.loads if s.mm_hash not in encoder_cache}
