@@ -233,7 +233,8 @@ class ServerGroup:
         #: A pidfd of the engine process: readable once it has exited.
         self.engine_fd: int | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self.signals = 0
+        #: Stop requests so far (signals, or a member's death): 1 drains, 2 ends at once.
+        self.stops = 0
         self.failed: int | None = None
 
     def start(self, sockets: list[socket.socket], metrics_dir: str) -> None:
@@ -250,10 +251,14 @@ class ServerGroup:
             proc.start()
             self.procs.append(proc)
 
-    def forward(self, sig: int, frame: FrameType | None = None) -> None:
+    def on_signal(self, sig: int, frame: FrameType | None = None) -> None:
         """Signal handler: each signal becomes one SIGTERM to every live server."""
-        self.signals += 1
-        log.info("received signal %d: %s the API servers", sig, _verb(self.signals))
+        log.info("received signal %d: %s the API servers", sig, _verb(self.stops + 1))
+        self.stop()
+
+    def stop(self) -> None:
+        """Send every live server SIGTERM (the first drains it, a second ends it)."""
+        self.stops += 1
         self._signal_all(signal.SIGTERM)
 
     def _signal_all(self, sig: int) -> None:
@@ -269,7 +274,7 @@ class ServerGroup:
             live = [p for p in self.procs if p.exitcode is None]
             if not live:
                 break
-            if self.signals and deadline is None:
+            if self.stops and deadline is None:
                 deadline = time.monotonic() + self.opts.drain_timeout_s + KILL_GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 log.error("%d API servers still running after the drain: killing them", len(live))
@@ -282,21 +287,21 @@ class ServerGroup:
             if self.engine_fd is not None and self.engine_fd in ready:
                 os.close(self.engine_fd)
                 self.engine_fd = None
-                if not self.signals and self.failed is None:
+                if not self.stops:
                     self.failed = 1
                     log.error("the engine process exited: stopping the group")
-                    self.forward(signal.SIGTERM)
+                    self.stop()
             for proc in live:
                 code = proc.exitcode
-                if code is None or self.signals or self.failed is not None:
+                if code is None or self.stops:
                     continue
                 self.failed = code if code > 0 else 1
                 log.error("API server %s exited with code %s: stopping the group", proc.name, code)
-                self.forward(signal.SIGTERM)
+                self.stop()
         if self.failed is not None:
             return self.failed
         # A server signalled before its drain handler was installed ends by SIGTERM.
-        clean = (0, -signal.SIGTERM) if self.signals else (0,)
+        clean = (0, -signal.SIGTERM) if self.stops else (0,)
         return 0 if all(p.exitcode in clean for p in self.procs) else 1
 
 
@@ -315,7 +320,7 @@ def run_group(opts: ServeOptions) -> int:
     if count < 1:
         log.error("cannot start: --api-server-count must be > 0, not %d", count)
         return 2
-    if getattr(opts, "engine_mode", "multiprocess") != "multiprocess":
+    if opts.engine_mode != "multiprocess":
         log.error("cannot start: --api-server-count > 1 needs --engine-mode multiprocess")
         return 2
     try:
@@ -325,7 +330,7 @@ def run_group(opts: ServeOptions) -> int:
         return 1
     port = sockets[0].getsockname()[1]
     group = ServerGroup(opts)
-    handlers = {sig: signal.signal(sig, group.forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.signal(sig, group.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     engine_handle: Any = None
     metrics_dir = tempfile.mkdtemp(prefix="ec-frontend-metrics-")
     try:
@@ -334,7 +339,7 @@ def run_group(opts: ServeOptions) -> int:
         except (StartupError, ValueError, OSError, RuntimeError, ImportError) as exc:
             log.error("cannot start: %s", exc)
             return 2
-        if group.signals:  # stopped while the engine was loading
+        if group.stops:  # stopped while the engine was loading
             return 0
         if hasattr(os, "pidfd_open"):
             group.engine_fd = os.pidfd_open(engine_handle.pid)
