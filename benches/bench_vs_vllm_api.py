@@ -18,7 +18,8 @@ Scenarios: streamed chat without an image, and with one ``--image-size`` image
 and images in a round, and new ones the next round: vLLM's multimodal processor
 cache gets no hits from a repeated image). Reported per scenario: the median
 over rounds of requests/s, TTFT p50 and p99, and each server's CPU time per
-request (its process tree, from ``/proc``); the ratio is ec-frontend's requests/s over vLLM's.
+request (its process tree, and its API process alone, from ``/proc``); the
+ratio is ec-frontend's requests/s over vLLM's.
 
 ec-frontend's mock engine tokenizes by characters and renders a plain
 ``role: text`` prompt, where vLLM's layer renders the checkpoint's chat template
