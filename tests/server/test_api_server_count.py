@@ -145,19 +145,12 @@ def scrape(url: str) -> tuple[str, dict[str, float]]:
     return r.headers[HEADER], parse_text(r.text)
 
 
-@pytest.fixture
-def pair() -> Iterator[ServerProcess]:
-    server = group()
-    yield server
-    server.kill()
-    server.stop()
-
-
-def test_requests_spread_and_metrics_add_up(pair: ServerProcess) -> None:
-    assert len(engines(pair.proc.pid)) == 1
+def check_spread_and_metrics(server: ServerProcess) -> None:
+    """Requests on separate connections reach both servers, and a scrape of either
+    server reports the group's counters and the one engine's, every time."""
     sent = 24
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda i: chat(pair.url, f"hello {i}"), range(sent)))
+        results = list(pool.map(lambda i: chat(server.url, f"hello {i}"), range(sent)))
     per_server = Counter(index for index, _ in results)
     assert set(per_server) == {"0", "1"}, per_server
     assert all(r.choices[0].finish_reason == "length" for _, r in results)
@@ -166,12 +159,12 @@ def test_requests_spread_and_metrics_add_up(pair: ServerProcess) -> None:
 
     # The servers count a request once its response is sent: let the last one land.
     deadline = time.monotonic() + 10
-    while scrape(pair.url)[1].get("ec_frontend_requests_total" + CHAT) != sent:
+    while scrape(server.url)[1].get("ec_frontend_requests_total" + CHAT) != sent:
         assert time.monotonic() < deadline, "counters never added up"
         time.sleep(0.05)
     scraped_by: set[str] = set()
     for _ in range(40):
-        index, m = scrape(pair.url)
+        index, m = scrape(server.url)
         scraped_by.add(index)
         assert m["ec_frontend_requests_total" + CHAT] == sent
         assert m["ec_frontend_time_to_first_token_seconds_count"] == sent
@@ -185,58 +178,68 @@ def test_requests_spread_and_metrics_add_up(pair: ServerProcess) -> None:
         if len(scraped_by) == 2:
             break
     assert scraped_by == {"0", "1"}
-    assert pair.stop() == 0
 
 
-def test_sigterm_drains_every_server() -> None:
+def check_sigterm_drains_both(server: ServerProcess) -> None:
+    """Streams in flight on both servers finish after SIGTERM while new requests
+    get 503 from each server; the parent then exits 0."""
+    max_tokens = 50  # 5 s at 100 ms a token: still streaming when SIGTERM comes
+    streams: list[tuple[str, Iterator[openai.types.chat.ChatCompletionChunk]]] = []
+    # Open streams (one connection each) until both servers have one in flight.
+    while {index for index, _ in streams} != {"0", "1"}:
+        assert len(streams) < 40, "every connection went to one server"
+        raw = client(server.url).chat.completions.with_raw_response.create(
+            model=MOCK_MODEL,
+            messages=[{"role": "user", "content": "drain me"}],
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        chunks = iter(raw.parse())
+        next(chunks)
+        streams.append((raw.headers[HEADER], chunks))
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    refused: set[str] = set()
+    for _ in range(40):
+        with client(server.url) as c, pytest.raises(openai.APIStatusError) as err:
+            c.models.list()
+        assert err.value.status_code == 503
+        assert err.value.body["code"] == "draining"
+        refused.add(err.value.response.headers[HEADER])
+        if len(refused) == 2:
+            break
+    assert refused == {"0", "1"}
+    outcomes: list[tuple[str | None, int]] = []
+    lock = threading.Lock()
+
+    def drain(chunks: Iterator[openai.types.chat.ChatCompletionChunk]) -> None:
+        last, pieces = None, 0
+        for chunk in chunks:
+            if chunk.choices:
+                last = chunk.choices[0].finish_reason or last
+                pieces += bool(chunk.choices[0].delta.content)
+        with lock:
+            outcomes.append((last, pieces))
+
+    threads = [threading.Thread(target=drain, args=(chunks,)) for _, chunks in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # Every token arrived (the first chunk read above carries the role only) and no
+    # stream was aborted: the drain let them finish.
+    assert outcomes == [("length", max_tokens)] * len(streams)
+    assert server.proc.wait(30) == 0
+
+
+def test_two_servers_spread_add_up_and_drain() -> None:
     server = group(2, "--mock-token-latency-ms", "100")
     tree = descendants(server.proc.pid)
-    assert len(listening_servers(server.proc.pid, server.port)) == 2
-    streams: list[tuple[str, Iterator[openai.types.chat.ChatCompletionChunk]]] = []
     try:
-        # Open streams (one connection each) until both servers have one in flight.
-        while {index for index, _ in streams} != {"0", "1"}:
-            assert len(streams) < 40, "every connection went to one server"
-            c = client(server.url)
-            raw = c.chat.completions.with_raw_response.create(
-                model=MOCK_MODEL,
-                messages=[{"role": "user", "content": "drain me"}],
-                max_tokens=30,
-                stream=True,
-            )
-            chunks = iter(raw.parse())
-            next(chunks)
-            streams.append((raw.headers[HEADER], chunks))
-        server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        refused: set[str] = set()
-        for _ in range(40):
-            with client(server.url) as c, pytest.raises(openai.APIStatusError) as err:
-                c.models.list()
-            assert err.value.status_code == 503
-            assert err.value.body["code"] == "draining"
-            refused.add(err.value.response.headers[HEADER])
-            if len(refused) == 2:
-                break
-        assert refused == {"0", "1"}
-        finish: list[str | None] = []
-        lock = threading.Lock()
-
-        def drain(chunks: Iterator[openai.types.chat.ChatCompletionChunk]) -> None:
-            last = None
-            for chunk in chunks:
-                if chunk.choices:
-                    last = chunk.choices[0].finish_reason or last
-            with lock:
-                finish.append(last)
-
-        threads = [threading.Thread(target=drain, args=(chunks,)) for _, chunks in streams]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert finish == ["length"] * len(streams)
-        assert server.proc.wait(30) == 0
+        assert len(listening_servers(server.proc.pid, server.port)) == 2
+        assert len(engines(server.proc.pid)) == 1
+        check_spread_and_metrics(server)
+        check_sigterm_drains_both(server)
     finally:
         server.kill()
         server.stop()
