@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import torch
 from PIL import Image
@@ -121,6 +122,17 @@ def served_tokens(p: Proc, case: str, *, stream: bool = False) -> list[int]:
             for choice in chunk.choices:
                 tokens += (choice.model_extra or {}).get("token_ids") or []
         return tokens
+
+
+def prefill_kv_params(p: Proc, case: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefill instance hands out for the case's chat."""
+    body = {"model": "tiny", "messages": chat_messages(case, urls=True), "max_tokens": 1,
+            "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    r = httpx.post(p.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    kv = r.json()["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["remote_num_tokens"] > 0
+    return kv
 
 
 def check_served_equals(dep: dict[str, Proc], case: str, want: list[int]) -> None:

@@ -34,6 +34,7 @@ from .flows import (
     hf_generate,
     hf_inputs,
     media,
+    prefill_kv_params,
 )
 
 
@@ -115,3 +116,9 @@ def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, 
 @pytest.mark.slow
 def test_disaggregated_instances_did_their_part_only(dep):
     check_disaggregated_parts(dep, (70, 42))
+
+
+@pytest.mark.slow
+def test_kv_wire_has_no_mrope_delta_for_a_1d_rope_family(dep):
+    for case in CASES:
+        assert "mrope_position_delta" not in prefill_kv_params(dep["pd"], case), case

@@ -36,6 +36,7 @@ from .flows import (
     hf_generate,
     hf_inputs,
     media,
+    prefill_kv_params,
 )
 
 
@@ -167,3 +168,15 @@ def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, 
 @pytest.mark.slow
 def test_disaggregated_instances_did_their_part_only(dep):
     check_disaggregated_parts(dep, (70, 42))
+
+
+@pytest.mark.slow
+def test_kv_wire_carries_the_mrope_delta_when_it_is_not_zero(dep, ours):
+    deltas = []
+    for case in ("text", "one-image"):
+        delta = ours.process_chat(chat_messages(case, urls=False), media(case)).mrope_position_delta
+        kv = prefill_kv_params(dep["pd"], case)
+        assert ("mrope_position_delta" in kv) == (delta != 0), case
+        assert kv.get("mrope_position_delta", 0) == delta
+        deltas.append(delta)
+    assert deltas[0] == 0 and deltas[1] != 0
