@@ -30,23 +30,39 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def serve(model_dir: Path, name: str, env: dict[str, str]) -> Proc:
+def serve(model_dir: Path, name: str, env: dict[str, str], *extra: str) -> Proc:
     args = ["--model", str(model_dir), "--device", "cpu", "--max-model-len", "2048",
-            "--served-model-name", MODEL]  # fmt: skip
+            "--served-model-name", MODEL, *extra]  # fmt: skip
     return Proc("serve", args, name, env=env)
 
 
 @pytest.fixture(scope="module")
 def servers(builtin_model_dir: Path) -> Iterator[dict[str, Proc]]:
+    # The native instance runs its engine in the server's process, so that its metric
+    # counts every decode of the instance, the engine's deferred ones included.
     procs = start_all(
         [
-            serve(builtin_model_dir, "native", {DISABLE_ENV: "0"}),
+            serve(builtin_model_dir, "native", {DISABLE_ENV: "0"}, "--engine-mode", "inprocess"),
             serve(builtin_model_dir, "python", {DISABLE_ENV: "1"}),
         ]
     )
     yield {"native": procs[0], "python": procs[1]}
     for p in procs:
         p.stop()
+
+
+#: Images each instance has decoded (the native path decodes an image's bytes once;
+#: later requests carrying them are served from the encoder cache without pixels).
+SEEN: dict[str, set[str]] = {"native": set(), "python": set()}
+
+
+def decodes(server: str, names: list[str]) -> int:
+    """How many images of ``names`` instance ``server`` decodes, and note them."""
+    if server == "python":
+        return len(names)
+    fresh = set(names) - SEEN[server]
+    SEEN[server] |= fresh
+    return len(fresh)
 
 
 def chat(url: str, images: list[str], text: str = "describe") -> Any:
@@ -87,7 +103,7 @@ def test_greedy_output_is_token_identical(servers: dict[str, Proc], names: list[
     tokens = [[t.token for t in o.choices[0].logprobs.content] for o in (native, python)]
     assert tokens[0] == tokens[1] and len(tokens[0]) > 0
     for k, p in servers.items():
-        assert p.metric("images_preprocessed_total") - before[k] == len(names)
+        assert p.metric("images_preprocessed_total") - before[k] == decodes(k, names)
 
 
 BAD = [
@@ -112,3 +128,29 @@ def test_bad_image_is_a_400_naming_it(servers: dict[str, Proc], data: bytes, wor
     assert "image 1" in error["message"] and words in error["message"]
     assert native.metric("images_preprocessed_total") == before
     assert chat(native.url, [IMAGES["jpeg"]]).choices[0].finish_reason in ("length", "stop")
+    decodes("native", ["jpeg"])
+
+
+def test_an_encoder_cache_hit_decodes_no_image(servers: dict[str, Proc]) -> None:
+    native = servers["native"]
+    image = data_url(encode(Image.fromarray(pixels(150, 210, 3, seed=77)), "JPEG"), "image/jpeg")
+    before = native.metric("images_preprocessed_total")
+    first = chat(native.url, [image], text="what is this")
+    assert native.metric("images_preprocessed_total") - before == 1
+    for _ in range(3):
+        again = chat(native.url, [image], text="what is this")
+        assert native.metric("images_preprocessed_total") - before == 1
+        assert again.usage.prompt_tokens == first.usage.prompt_tokens
+        tokens = [[t.token for t in o.choices[0].logprobs.content] for o in (first, again)]
+        assert tokens[0] == tokens[1]
+    # The same bytes with another pixel range are another preprocessing: decoded.
+    with openai.OpenAI(base_url=native.url + "/v1", api_key="x", max_retries=0) as client:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}
+            ],
+            max_tokens=2,
+            extra_body={"mm_processor_kwargs": {"max_pixels": 56 * 56 * 4}},
+        )
+    assert native.metric("images_preprocessed_total") - before == 2

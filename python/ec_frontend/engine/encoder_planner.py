@@ -11,12 +11,21 @@ reserves the space once the scheduler has admitted the chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.base import ECConnectorBase
     from ec_frontend.engine.encoder_cache import EncoderCacheManager
     from ec_frontend.engine.request import Request
+
+
+def _decode_deferred(feature: Any) -> bool:
+    """Pixels for an image the processor deferred (it expected a cache hit)."""
+    if getattr(feature, "deferred", None) is None:
+        return False
+    from ec_frontend.model.native_preprocess import decode_deferred
+
+    return decode_deferred(feature)
 
 
 @dataclass(slots=True)
@@ -80,7 +89,7 @@ class EncoderInputPlanner:
                 break
             if loadable:
                 load.append(i)
-            elif feature.pixel_values is None:
+            elif feature.pixel_values is None and not _decode_deferred(feature):
                 return EncoderPlan(
                     [],
                     [],

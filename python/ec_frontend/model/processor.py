@@ -69,7 +69,9 @@ class MultiModalFeature:
     Its placeholder occupies ``prompt_token_ids[offset : offset + length]`` (all
     image tokens); ``length`` equals the encoder's output rows for the image.
     ``pixel_values`` is ``[t*h*w, patch_dim]`` float32 on the CPU, or ``None``
-    when the encoder output must come from a connector.
+    when the encoder output must come from a connector or the image is ``deferred``:
+    then ``deferred`` holds its bytes and the native rule's values, decoded only if
+    the encoder has to run on it (``native_preprocess.decode_deferred``).
     """
 
     mm_hash: str
@@ -77,6 +79,7 @@ class MultiModalFeature:
     length: int
     image_grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None
+    deferred: tuple[bytes, tuple[Any, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -254,9 +257,11 @@ class InputProcessor:
             if token != self.image_token_id:
                 out_ids.append(token)
                 continue
-            mm_hash, grid, pixels = next(images)
+            mm_hash, grid, pixels, deferred = next(images)
             length = self.image_tokens(grid)
-            features.append(MultiModalFeature(mm_hash, len(out_ids), length, grid, pixels))
+            features.append(
+                MultiModalFeature(mm_hash, len(out_ids), length, grid, pixels, deferred)
+            )
             out_ids.extend([self.image_token_id] * length)
         return self._finish(out_ids, features, text)
 
@@ -370,17 +375,26 @@ class InputProcessor:
 
     def _images(
         self, media: Sequence[MediaLike], order: Sequence[int], size: dict[str, int] | None
-    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None]]:
-        """``(mm_hash, grid, pixel_values)`` of the images ``order`` names: inline images
-        through the native path in one parallel call when there is one, else one by one
-        through transformers' processor."""
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
+        """``(mm_hash, grid, pixel_values, deferred)`` of the images ``order`` names:
+        inline images through the native path in one parallel call when there is one
+        (images it decoded before are deferred, not decoded), else one by one through
+        transformers' processor."""
         inline = [i for i in order if getattr(media[i], "image_grid_thw", None) is None]
         if self.native is None or not inline or any(media[i].data is None for i in inline):
-            return [self._image(media[i], i, size) for i in order]
-        done = self.native.preprocess([media[i].data for i in inline], inline, size=size)
-        pixels = dict(zip(inline, done, strict=True))
+            return [(*self._image(media[i], i, size), None) for i in order]
+        native = self.native
+        known = {i: native.known(media[i].data, size) for i in inline}
+        decode = [i for i in inline if known[i] is None]
+        done = native.preprocess([media[i].data for i in decode], decode, size=size)
+        ready: dict[int, tuple[tuple[int, int, int], torch.Tensor | None, Any]] = {
+            i: (grid, pixels, None) for i, (grid, pixels) in zip(decode, done, strict=True)
+        }
+        for i, grid in known.items():
+            if grid is not None:
+                ready[i] = (grid, None, native.deferred(media[i].data, size))
         return [
-            (media[i].mm_hash, *pixels[i]) if i in pixels else self._image(media[i], i, size)
+            (media[i].mm_hash, *ready[i]) if i in ready else (*self._image(media[i], i, size), None)
             for i in order
         ]
 
