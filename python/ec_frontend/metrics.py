@@ -152,7 +152,10 @@ def read_values(data: bytes, into: Snapshot) -> None:
         offset = key_end + (-key_end % 8)
         if offset + _VALUE.size > end:
             break
-        name, *labels = orjson.loads(data[pos + _KEY_LEN.size : key_end])
+        try:
+            name, *labels = orjson.loads(data[pos + _KEY_LEN.size : key_end])
+        except (ValueError, TypeError):  # not a file of ours: keep what was read
+            break
         series = into.setdefault(name, {})
         label_key = tuple(labels)
         series[label_key] = series.get(label_key, 0.0) + _VALUE.unpack_from(data, offset)[0]

@@ -179,7 +179,14 @@ def test_reader_sees_whole_entries_while_a_writer_appends(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\x01", (1 << 40).to_bytes(8, "little"), (20).to_bytes(8, "little") + b"\xff" * 12],
+    [
+        b"",
+        b"\x01",
+        (1 << 40).to_bytes(8, "little"),
+        (20).to_bytes(8, "little") + b"\xff" * 12,
+        (24).to_bytes(8, "little") + (3).to_bytes(4, "little") + b"{{{" + bytes(9),
+        (24).to_bytes(8, "little") + (3).to_bytes(4, "little") + b"123" + bytes(9),
+    ],
 )
 def test_truncated_or_foreign_bytes_are_skipped(data: bytes) -> None:
     snap: dict = {}
