@@ -13,21 +13,22 @@ as the engine calls it; xgrammar with its ``BatchGrammarMatcher`` when it can be
 imported (``PYTHONPATH`` to an install of ``xgrammar`` and ``apache-tvm-ffi``; it is
 not a dependency).
 
-Part 2, the engine: 15 unconstrained requests (greedy, ``ignore_eos``) on the
-built-in model with a 16th request in the same batch, constrained to a JSON object
-or free, greedy or sampled (a sampled neighbour puts the whole batch on the
-sampler's non-greedy path, which is not the constraint's cost: each pair differs
-by the constraint alone). Reported: the 15 requests' generated tokens per second
-of wall time (median of rounds, arms alternating) and the ratios (median over
-rounds of the ratio within a round).
+Part 2, the engine, at batch 8 and 32 (``--batches``): ``b - 1`` unconstrained
+greedy requests on the built-in model and one more beside them, constrained by a JSON
+schema or free; all run ``--max-tokens`` tokens, so both arms keep ``b`` rows from
+the first step to the last. The arms alternate within each round (and swap order
+every other round), since the host's load drifts between rounds more than within
+one. Reported per batch size: the unconstrained requests' tokens/s in each arm, the
+ratio constrained/free within each round (median, quartiles, range), and the
+bitmask time per step on the engine's own thread (computed inline, or waited for).
 
-Part 3, the sampler alone (what the engine numbers hide on a busy host): one step of
-16 greedy rows over random logits with 0, 1 or 16 rows constrained to a JSON object,
-on the built-in model's vocabulary and on the 151,936-token one.
+Part 3, the sampler alone on the 151,936-token vocabulary: one step of ``b`` greedy
+rows over random logits with 0, 1 or ``b`` rows constrained to a JSON object, the
+configurations taking turns step by step.
 
 Writes ``benches/results/bench_structured.json``.
 
-Run: ``.venv/bin/python benches/bench_structured.py [--steps 48] [--rounds 5]``.
+Run: ``.venv/bin/python benches/bench_structured.py [--steps 48] [--rounds 15]``.
 """
 
 from __future__ import annotations
@@ -252,119 +253,104 @@ def _summary(times: list[float], compile_s: float) -> dict[str, Any]:
     }
 
 
-async def engine_round(
-    engine: AsyncEngine,
-    inputs: Any,
-    side: tuple[Any, float] | None,
-    n: int,
-    max_tokens: int,
-    tag: str,
-) -> float:
-    """Unconstrained tokens/s of ``n`` greedy requests; ``side`` adds one more request
-    beside them for the whole round: ``(grammar or None, temperature)``."""
-    tokens = 0
-    done = asyncio.Event()
-
-    async def free(i: int) -> None:
-        nonlocal tokens
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        async for out in engine.add_request(f"{tag}-{i}", inputs, params):
-            tokens += len(out.token_ids)
-
-    async def beside(grammar: Any, temperature: float) -> None:
-        params = SamplingParams(
-            max_tokens=4 * max_tokens, temperature=temperature, seed=1, ignore_eos=grammar is None
-        )
-        params.structured_outputs = grammar
-        agen = engine.add_request(f"{tag}-side", inputs, params)
-        try:
-            async for out in agen:
-                if out.finished or done.is_set():
-                    break
-        finally:
-            await agen.aclose()
-            await engine.abort(f"{tag}-side")
-
-    task = asyncio.ensure_future(beside(*side)) if side is not None else None
-    await asyncio.sleep(0)
-    start = time.perf_counter()
-    await asyncio.gather(*(free(i) for i in range(n)))
-    seconds = time.perf_counter() - start
-    done.set()
-    if task is not None:
-        await task
-    if tokens != n * max_tokens:
-        raise RuntimeError(f"generated {tokens} tokens")
-    return tokens / seconds
+#: The constrained neighbour's schema: fields with structure (a number, an enum
+#: array) and then a string long enough that no output ends before ``max_tokens``,
+#: so that the constrained and the free neighbour stay in the batch equally long.
+SIDE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "text": {"type": "string", "minLength": 1000},
+    },
+    "required": ["id", "tags", "text"],
+    "additionalProperties": False,
+}
 
 
-def sampler_step_ms(
-    grammar: CompiledGrammar, vocab: int, constrained: int, steps: int
-) -> dict[str, float]:
-    """Median times of one sampling step for 16 greedy rows over random logits,
-    ``constrained`` of them under ``grammar``: ``exposed`` (bitmask started, then the
-    sampler waits for it: no forward to hide it behind) and ``overlapped`` (the
-    bitmask ready before the sampler runs, as when the forward takes longer)."""
-    params = SamplingParams(temperature=0.0, max_tokens=None)
-    gen = torch.Generator().manual_seed(0)
-    filler = BitmaskFiller()
-    eos = set(grammar.tokenizer.eos_tokens)
-    outputs: list[list[int]] = [[] for _ in range(16)]
-    states = [grammar.new_state() if i < constrained else None for i in range(16)]
-    sampler = Sampler()
-    times: dict[str, list[float]] = {"exposed": [], "overlapped": []}
-    try:
-        for step in range(steps):
-            mode = "exposed" if step % 2 == 0 else "overlapped"
-            logits = torch.randn(16, vocab, generator=gen)
-            rows = [SamplingRow(params, None, [1], outputs[i], (), states[i]) for i in range(16)]
-            t = time.perf_counter()
-            future = filler.start(states, outputs, vocab)
-            if mode == "overlapped" and isinstance(future, Future):
-                future.result()
-                t = time.perf_counter()
-            tokens, _ = sampler(logits, rows, future)
-            times[mode].append(time.perf_counter() - t)
-            for i in range(constrained):
-                state = states[i]
-                if tokens[i] in eos or (state is not None and state.is_finished()):
-                    states[i], outputs[i] = grammar.new_state(), []
-                else:
-                    outputs[i].append(tokens[i])
-    finally:
-        filler.shutdown()
-    return {mode: 1000 * statistics.median(v) for mode, v in times.items()}
-
-
-def bench_sampler(tokens: list[bytes], builtin: GrammarCompiler, steps: int) -> dict[str, Any]:
-    """The sampler's step with 0, 1 and 16 constrained rows out of 16, on the built-in
-    vocabulary and on the 151,936-token one (any JSON object)."""
-    big = LLTokenizer(TokenizerWrapper(_ByteTokenizer(tokens)), n_vocab=len(tokens))
-    any_object = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    grammars = {
-        str(builtin.vocab_size): builtin.compile("json_object", None, "p"),
-        str(len(tokens)): CompiledGrammar("json_object", any_object, big),
+def _spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and range of per-round values."""
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
+    return {
+        "median": statistics.median(ordered),
+        "p25": q[0],
+        "p75": q[2],
+        "min": ordered[0],
+        "max": ordered[-1],
     }
-    out: dict[str, Any] = {}
-    for vocab, grammar in grammars.items():
-        out[vocab] = {}
-        for k in (0, 1, 16):
-            ms = sampler_step_ms(grammar, int(vocab), k, steps)
-            out[vocab][f"{k}_of_16"] = ms
-            print(
-                f"  vocab {vocab:>6}, {k:2d}/16 constrained: {ms['exposed']:7.3f} ms exposed, "
-                f"{ms['overlapped']:7.3f} ms with the mask ready"
-            )
-    return out
+
+
+class MaskClock:
+    """Wraps the runner's :class:`BitmaskFiller`: per step, the time the engine's own
+    thread spent on the bitmask (computing it inline, or waiting for the worker)."""
+
+    def __init__(self, filler: BitmaskFiller) -> None:
+        self.filler = filler
+        self.exposed: list[float] = []
+        self._step = 0.0
+
+    def start(self, states: Any, outputs: Any, vocab_size: int) -> Any:
+        t = time.perf_counter()
+        result = self.filler.start(states, outputs, vocab_size)
+        self._step = time.perf_counter() - t
+        if not isinstance(result, Future):
+            if result is not None:
+                self.exposed.append(self._step)
+            return result
+        timed: Future[torch.Tensor] = Future()
+
+        def wait(_: Any = None) -> torch.Tensor:
+            t0 = time.perf_counter()
+            value = result.result()
+            self.exposed.append(self._step + time.perf_counter() - t0)
+            return value
+
+        timed.result = wait  # type: ignore[method-assign,assignment]
+        return timed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.filler, name)
+
+
+async def engine_round(
+    engine: AsyncEngine, inputs: Any, grammar: Any, n: int, max_tokens: int, tag: str
+) -> tuple[float, float]:
+    """Tokens per second of wall time and per second of this process's CPU time
+    (all its threads) of ``n - 1`` unconstrained greedy requests (``ignore_eos``)
+    beside one more, constrained by ``grammar`` or free (``None``); all ``n`` run
+    ``max_tokens`` tokens, so the batch holds ``n`` rows from the first step to the
+    last. CPU time is what other processes on a shared host disturb least."""
+    tokens = 0
+
+    async def run(i: int) -> None:
+        nonlocal tokens
+        side = i == n - 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if side:
+            params.structured_outputs = grammar
+        got = 0
+        async for out in engine.add_request(f"{tag}-{i}", inputs, params):
+            got += len(out.token_ids)
+        if got != max_tokens:
+            raise RuntimeError(f"request {i} generated {got} of {max_tokens} tokens")
+        if not side:
+            tokens += got
+
+    start, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(run(i) for i in range(n)))
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
 
 def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """Unconstrained tokens/s beside a constrained vs a free neighbour, at each batch
+    size, in alternating rounds; per-step bitmask time on the engine's thread."""
     config = EngineConfig(
         model=None,
         device=args.device,
         dtype="float32",
         scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=2048),
-        cache=CacheConfig(kv_cache_memory_bytes=128 << 20),
+        cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
     )
     engine = AsyncEngine.from_config(config)
     processor = engine.processor
@@ -373,7 +359,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     eos = engine.core.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     compiler = GrammarCompiler(processor.tokenizer, processor.vocab_size, eos_ids)
-    grammar = compiler.compile("json_object", None, "response_format")
+    grammar = compiler.compile("json", SIDE_SCHEMA, "response_format")
     t = time.perf_counter()
     compiler.compile("json", SCHEMAS[1], "p")
     first = time.perf_counter() - t
@@ -381,56 +367,129 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(100):
         compiler.compile("json", SCHEMAS[1], "p")
     cache = {"first_ms": 1000 * first, "cached_us": 1e6 * (time.perf_counter() - t) / 100}
-    # The side request: constrained or not, greedy or sampled. A sampled neighbour
-    # moves the whole batch onto the sampler's non-greedy path, constraint or not.
-    arms: dict[str, tuple[Any, float] | None] = {
-        "beside_free_greedy": (None, 0.0),
-        "beside_constrained_greedy": (grammar, 0.0),
-        "beside_free_sampled": (None, 1.0),
-        "beside_constrained_sampled": (grammar, 1.0),
+    runner = engine.core.runner
+    clock = MaskClock(runner.bitmask_filler)
+    runner.bitmask_filler = clock  # type: ignore[assignment]
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds: dict[int, dict[str, list[float]]] = {
+        b: {"free": [], "constrained": [], "free_cpu": [], "constrained_cpu": []} for b in batches
     }
-    rounds: dict[str, list[float]] = {arm: [] for arm in arms}
+    exposed: dict[int, list[float]] = {b: [] for b in batches}
     try:
 
         async def run() -> None:
-            await engine_round(engine, inputs, (grammar, 0.0), 2, 8, "warm")
-            await engine_round(engine, inputs, None, 2, 8, "warm-free")
-            names = list(arms)
+            for b in batches:
+                await engine_round(engine, inputs, grammar, b, 8, f"warm{b}")
+                await engine_round(engine, inputs, None, b, 8, f"warm-free{b}")
             for r in range(args.rounds):
-                for arm in names if r % 2 == 0 else names[::-1]:
-                    tps = await engine_round(
-                        engine, inputs, arms[arm], 15, args.max_tokens, f"r{r}{arm}"
+                for b in batches:
+                    order = ("free", "constrained") if r % 2 == 0 else ("constrained", "free")
+                    for arm in order:
+                        clock.exposed = []
+                        side = grammar if arm == "constrained" else None
+                        wall, cpu = await engine_round(
+                            engine, inputs, side, b, args.max_tokens, f"r{r}b{b}{arm}"
+                        )
+                        rounds[b][arm].append(wall)
+                        rounds[b][f"{arm}_cpu"].append(cpu)
+                        if arm == "constrained":
+                            exposed[b].append(statistics.median(clock.exposed))
+                    last = {k: v[-1] for k, v in rounds[b].items()}
+                    print(
+                        f"  round {r:2d} batch {b:2d}: free {last['free']:8.1f}, constrained "
+                        f"{last['constrained']:8.1f} tok/s "
+                        f"({last['constrained'] / last['free']:.3f}x; per CPU-second "
+                        f"{last['constrained_cpu'] / last['free_cpu']:.3f}x), "
+                        f"bitmask {1000 * exposed[b][-1]:.3f} ms/step"
                     )
-                    rounds[arm].append(tps)
-                    print(f"  round {r} {arm:25s} {tps:8.1f} unconstrained tok/s")
 
         asyncio.run(run())
     finally:
         engine.shutdown()
-    print("sampler: one step of 16 greedy rows (bitmask, masks, argmax)")
-    sampler_steps = bench_sampler(args.tokens, compiler, args.sampler_steps)
-    median = {k: statistics.median(v) for k, v in rounds.items()}
-
-    def paired(arm: str, base: str) -> float:
-        """Median over rounds of the arm's ratio to its base in the same round (the
-        host's load drifts between rounds more than within one)."""
-        return statistics.median(a / b for a, b in zip(rounds[arm], rounds[base], strict=True))
-
-    return {
-        "unconstrained_requests": 15,
+    out: dict[str, Any] = {
+        "unconstrained_requests_per_batch": {str(b): b - 1 for b in batches},
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "unconstrained_tok_s": median,
-        "rounds_tok_s": rounds,
-        "ratio_constrained_vs_free_greedy": paired(
-            "beside_constrained_greedy", "beside_free_greedy"
-        ),
-        "ratio_constrained_vs_free_sampled": paired(
-            "beside_constrained_sampled", "beside_free_sampled"
-        ),
+        "vocab_size": processor.vocab_size,
         "compile_cache_builtin_tokenizer": cache,
-        "sampler_step": sampler_steps,
+        "batches": {},
     }
+    for b in batches:
+        per = rounds[b]
+
+        def ratios(arm: str, base: str) -> list[float]:
+            return [a / f for a, f in zip(per[arm], per[base], strict=True)]  # noqa: B023
+
+        out["batches"][str(b)] = {
+            "tok_s_free": _spread(per["free"]),
+            "tok_s_constrained": _spread(per["constrained"]),
+            "ratio_constrained_vs_free": _spread(ratios("constrained", "free")),
+            "tok_per_cpu_s_free": _spread(per["free_cpu"]),
+            "tok_per_cpu_s_constrained": _spread(per["constrained_cpu"]),
+            "ratio_per_cpu_s_constrained_vs_free": _spread(ratios("constrained_cpu", "free_cpu")),
+            "bitmask_ms_per_step_exposed": _spread([1000 * x for x in exposed[b]]),
+            "rounds_tok_s": rounds[b],
+        }
+    return out
+
+
+def bench_sampler(tokens: list[bytes], batches: list[int], rounds: int) -> dict[str, Any]:
+    """One sampling step of ``b`` greedy rows over random logits on the
+    151,936-token vocabulary, with 0, 1 or ``b`` rows constrained to a JSON object:
+    ``exposed`` (the bitmask started, then the sampler waits for it: no forward to hide
+    it) and ``overlapped`` (the bitmask ready before the sampler runs). The
+    configurations take turns step by step, so host load falls on all alike."""
+    big = LLTokenizer(TokenizerWrapper(_ByteTokenizer(tokens)), n_vocab=len(tokens))
+    any_object = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    grammar = CompiledGrammar("json_object", any_object, big)
+    vocab = len(tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=None)
+    sampler = Sampler()
+    eos = set(big.eos_tokens)
+    out: dict[str, Any] = {}
+    for b in batches:
+        configs = sorted({0, 1, b})
+        filler = BitmaskFiller()
+        states = {k: [grammar.new_state() if i < k else None for i in range(b)] for k in configs}
+        outputs: dict[int, list[list[int]]] = {k: [[] for _ in range(b)] for k in configs}
+        times: dict[int, dict[str, list[float]]] = {
+            k: {"exposed": [], "overlapped": []} for k in configs
+        }
+        gen = torch.Generator().manual_seed(b)
+        try:
+            for step in range(2 * rounds):
+                mode = "exposed" if step % 2 == 0 else "overlapped"
+                logits = torch.randn(b, vocab, generator=gen)
+                for k in configs:
+                    st, outs = states[k], outputs[k]
+                    rows = [SamplingRow(params, None, [1], outs[i], (), st[i]) for i in range(b)]
+                    t = time.perf_counter()
+                    future = filler.start(st, outs, vocab)
+                    if mode == "overlapped" and isinstance(future, Future):
+                        future.result()
+                        t = time.perf_counter()
+                    chosen, _ = sampler(logits, rows, future)
+                    times[k][mode].append(time.perf_counter() - t)
+                    for i in range(k):
+                        state = st[i]
+                        if chosen[i] in eos or (state is not None and state.is_finished()):
+                            st[i], outs[i] = grammar.new_state(), []
+                        else:
+                            outs[i].append(chosen[i])
+        finally:
+            filler.shutdown()
+        res = {
+            f"{k}_of_{b}": {m: 1000 * statistics.median(v) for m, v in times[k].items()}
+            for k in configs
+        }
+        out[str(b)] = res
+        for k in configs:
+            ms = res[f"{k}_of_{b}"]
+            print(
+                f"  batch {b:2d}, {k:2d} constrained: {ms['exposed']:7.3f} ms exposed, "
+                f"{ms['overlapped']:7.3f} ms with the mask ready"
+            )
+    return out
 
 
 def main() -> None:
@@ -439,19 +498,19 @@ def main() -> None:
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--sampler-steps", type=int, default=300)
+    ap.add_argument("--sampler-rounds", type=int, default=100)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--skip-mask", action="store_true", help="skip part 1 (the library)")
     ap.add_argument("--output", type=Path, default=RESULTS / "bench_structured.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
 
     print(f"building a {VOCAB}-token synthetic vocabulary ...")
     tokens = synthetic_vocab(VOCAB)
-    args.tokens = tokens
     masks: dict[str, dict[str, Any]] = {}
-    for batch in () if args.skip_mask else (int(b) for b in args.batches.split(",")):
+    for batch in () if args.skip_mask else batches:
         for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
             result = fn(tokens, batch, args.steps)
             if result is None:
@@ -463,24 +522,31 @@ def main() -> None:
                 f"median, {result['mask_ms_p99']:7.2f} p99; compile "
                 f"{result['compile_ms_per_schema']:7.1f} ms/schema"
             )
-    print("engine: 15 unconstrained requests, alone and beside one constrained request")
+    print("engine: b-1 unconstrained requests beside one constrained or free request")
     engine = bench_engine(args)
-    tps = engine["unconstrained_tok_s"]
-    print(
-        f"  unconstrained tok/s (median), the 16th request greedy: free "
-        f"{tps['beside_free_greedy']:.1f}, constrained {tps['beside_constrained_greedy']:.1f} "
-        f"({engine['ratio_constrained_vs_free_greedy']:.3f}x); sampled: free "
-        f"{tps['beside_free_sampled']:.1f}, constrained {tps['beside_constrained_sampled']:.1f} "
-        f"({engine['ratio_constrained_vs_free_sampled']:.3f}x)"
-    )
+    for b, res in engine["batches"].items():
+        r = res["ratio_constrained_vs_free"]
+        c = res["ratio_per_cpu_s_constrained_vs_free"]
+        m = res["bitmask_ms_per_step_exposed"]
+        print(
+            f"  batch {b:>2}: unconstrained tok/s free {res['tok_s_free']['median']:.1f}, "
+            f"constrained {res['tok_s_constrained']['median']:.1f}; ratio {r['median']:.3f} "
+            f"(p25 {r['p25']:.3f}, p75 {r['p75']:.3f}, range {r['min']:.3f}-{r['max']:.3f}); "
+            f"per CPU-second {c['median']:.3f} (p25 {c['p25']:.3f}, p75 {c['p75']:.3f}); "
+            f"bitmask {m['median']:.3f} ms/step on the engine thread"
+        )
+    print(f"sampler: one step over {VOCAB} tokens (bitmask, masks, argmax)")
+    sampler_steps = bench_sampler(tokens, batches, args.sampler_rounds)
     result = {
         "benchmark": "bench_structured",
         "vocab_size": VOCAB,
         "schemas": len(SCHEMAS),
         "mask": masks,
         "engine": engine,
+        "sampler_step": sampler_steps,
         "host": {
             "cpus": os.cpu_count(),
+            "load_avg_1m_at_end": os.getloadavg()[0],
             "python": platform.python_version(),
             "torch": torch.__version__,
             "llguidance": llguidance.__version__,

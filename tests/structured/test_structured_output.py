@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
@@ -244,3 +245,72 @@ def test_structural_tag_errors_name_the_structure(compiler: GrammarCompiler) -> 
     with pytest.raises(StructuredOutputError) as info:
         compiler.compile("structural_tag", never, "p")
     assert info.value.param == "p.structures[0].schema"
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """``[rows, V]`` bool -> ``[rows, ceil(V / 32)]`` int32 bitmask."""
+    rows, vocab = allowed.shape
+    width = (vocab + 31) // 32
+    padded = torch.zeros(rows, width * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(rows, width, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 151_936])
+def test_apply_bitmask_equals_the_elementwise_mask(vocab: int) -> None:
+    """Sparse rows (few tokens allowed), dense rows (few refused), a half row and an
+    empty one, masked alone, together and beside free rows: the result is the
+    logits where allowed and -inf elsewhere, and the input is left as it was."""
+    gen = torch.Generator().manual_seed(vocab)
+    allowed = torch.zeros(6, vocab, dtype=torch.bool)
+    allowed[0, torch.randperm(vocab, generator=gen)[:5]] = True
+    allowed[1] = True
+    allowed[1, torch.randperm(vocab, generator=gen)[:7]] = False
+    allowed[2, : vocab // 2] = True
+    allowed[4] = torch.rand(vocab, generator=gen) < 0.9
+    allowed[5] = torch.rand(vocab, generator=gen) < 0.1
+    mask = _pack(allowed)
+    assert torch.equal(unpack_bitmask(mask, vocab), allowed)
+    logits = torch.randn(6, vocab, generator=gen)
+    before = logits.clone()
+    for rows in ([0], [1], [3], [0, 1, 2, 3, 4, 5], [1, 4], [5, 0, 2]):
+        out = apply_bitmask(logits, mask, rows)
+        want = logits.clone()
+        for r in rows:
+            want[r] = torch.where(allowed[r], logits[r], float("-inf"))
+        assert torch.equal(out, want), rows
+    assert torch.equal(logits, before)
+
+
+def test_worker_thread_and_parallel_executor_give_the_inline_masks(
+    tokenizer, compiler: GrammarCompiler
+) -> None:
+    """Six constrained rows (some started, some fresh, one free row between them):
+    the masks the worker thread computes with llguidance's parallel executor equal
+    the ones computed inline, row by row."""
+    schemas = [random_schema(random.Random(300 + i)) for i in range(6)]
+    walks = [_walk(compiler, "json", s, seed=i)[0] for i, s in enumerate(schemas)]
+    grammars = [compiler.compile("json", s, "p") for s in schemas]
+
+    def batch() -> tuple[list, list[list[int]]]:
+        states = [g.new_state() for g in grammars]
+        states.insert(2, None)
+        outputs = [w[: len(w) // 2] for w in walks]
+        outputs.insert(2, [])
+        # Rows 0 and 1 have seen a prefix already: their matchers are started.
+        for i in (0, 1):
+            fill_bitmask(None, [states[i]], [outputs[i][:1]], VOCAB)
+        return states, outputs
+
+    inline = fill_bitmask(None, *batch(), VOCAB)
+    filler = BitmaskFiller(num_threads=2)
+    filler.row_costs.extend([1.0] * 16)  # predicted slow: the worker thread computes
+    try:
+        future = filler.start(*batch(), VOCAB)
+        assert isinstance(future, Future)
+        assert torch.equal(future.result(), inline)
+    finally:
+        filler.shutdown()
+    assert bool((inline[2] == -1).all())
+    assert len(filler.row_costs) == 16

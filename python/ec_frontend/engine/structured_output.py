@@ -31,10 +31,10 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -64,14 +64,28 @@ class StructuredOutputError(ValueError):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CompiledGrammar:
-    """A validated llguidance grammar and the tokenizer it runs over."""
+    """A validated llguidance grammar and the tokenizer it runs over.
+
+    The first matcher built from it (parsing the grammar and setting up its lexer:
+    about half a millisecond for a JSON schema) is kept unused as a template;
+    every request's matcher is a copy of it (microseconds).
+    """
 
     kind: str
     grammar: str
     tokenizer: LLTokenizer
+    _template: list[LLMatcher] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def new_state(self) -> GrammarState:
         return GrammarState(self)
+
+    def new_matcher(self) -> LLMatcher:
+        """A matcher at the start of the grammar."""
+        with self._lock:
+            if not self._template:
+                self._template.append(LLMatcher(self.tokenizer, self.grammar))
+            return self._template[0].deep_copy()
 
 
 class GrammarState:
@@ -93,7 +107,7 @@ class GrammarState:
     @property
     def matcher(self) -> LLMatcher:
         if self._matcher is None:
-            self._matcher = LLMatcher(self.grammar.tokenizer, self.grammar.grammar)
+            self._matcher = self.grammar.new_matcher()
         return self._matcher
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
@@ -110,6 +124,11 @@ class GrammarState:
         if not matcher.consume_tokens(new):
             self.failed = True
             logger.warning("constrained request left its grammar: %s", matcher.get_error())
+
+    @property
+    def started(self) -> bool:
+        """The matcher is built (its first mask was computed)."""
+        return self._matcher is not None
 
     def is_finished(self) -> bool:
         """The grammar is complete: only end-of-sequence may follow."""
@@ -238,36 +257,110 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-#: Below this predicted mask time (seconds) a step's bitmask is computed inline: a
-#: thread hand-off costs more than it can hide.
-INLINE_BELOW_S = 0.0005
+#: Below this predicted mask time (seconds) a step's bitmask is computed inline: the
+#: hand-off to the worker thread (waking it, then both threads taking turns at the
+#: GIL while the model runs) costs more than it can hide. Measured on a loaded
+#: 2-core host, a hand-off cost the engine's thread up to a few milliseconds.
+INLINE_BELOW_S = 0.001
+#: Per-row mask times kept for the prediction (their median).
+COST_WINDOW = 16
+
+
+@dataclass(slots=True)
+class _MaskJob:
+    """One step's bitmask: the matchers to ask, by row, and the states whose matcher
+    is still to be built (their first mask; built where the mask is computed)."""
+
+    mask: torch.Tensor
+    states: Sequence[GrammarState | None]
+    work: list[tuple[LLMatcher, int]]
+    fresh: list[tuple[GrammarState, int, Sequence[int]]]
+
+
+def _prepare(
+    states: Sequence[GrammarState | None], outputs: Sequence[Sequence[int]], vocab_size: int
+) -> _MaskJob:
+    """The bitmask with free rows all allowed and failed rows end-of-sequence only;
+    the started matchers caught up over their new tokens (a few microseconds each)."""
+    mask = torch.from_numpy(np.full((len(states), bitmask_width(vocab_size)), -1, np.int32))
+    job = _MaskJob(mask, states, [], [])
+    for i, state in enumerate(states):
+        if state is None:
+            continue
+        if not state.started:
+            job.fresh.append((state, i, outputs[i]))
+            continue
+        state.sync(outputs[i])
+        if state.failed:
+            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+        else:
+            job.work.append((state.matcher, i))
+    return job
+
+
+def _compute(executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Tensor:
+    """Build and catch up the fresh matchers, then fill every row's mask (the library
+    releases the GIL while it computes)."""
+    mask = job.mask
+    work = list(job.work)
+    for state, i, output in job.fresh:
+        state.sync(output)
+        if state.failed:
+            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+        else:
+            work.append((state.matcher, i))
+    if not work:
+        return mask
+    width = mask.shape[1] * 4
+    if executor is None or len(work) < PARALLEL_MIN_ROWS:
+        base = mask.data_ptr()
+        for matcher, i in work:
+            matcher.unsafe_compute_mask_ptr(base + i * width, width)
+    else:
+        executor.unsafe_compute_mask_ptr(work, mask.data_ptr(), width, mask.shape[0])
+    words = mask.numpy()
+    for matcher, i in work:
+        if not words[i].any():
+            # Nothing allowed (a matcher that failed inside the library): end.
+            logger.warning("constrained request has no allowed token: %s", matcher.get_error())
+            state = job.states[i]
+            _only(mask[i], state.grammar.tokenizer.eos_tokens if state is not None else ())
+    return mask
 
 
 class BitmaskFiller:
     """Fills the bitmask of a step's constrained rows, on one worker thread.
 
-    ``start`` returns a future so that the caller can run the model meanwhile;
-    the work itself (catching each matcher up, then computing the masks, with
-    llguidance's parallel executor from :data:`PARALLEL_MIN_ROWS` rows on, its
-    threads half the host's cores up to 8 unless ``num_threads`` says) releases
-    the GIL. When the masks are predicted to take less than
-    :data:`INLINE_BELOW_S` (a running average of the time per constrained row, as
+    ``start`` catches the running matchers up on the caller's thread (cheap), then
+    returns a future so that the caller can run the model while the worker computes
+    the masks (llguidance's parallel executor from :data:`PARALLEL_MIN_ROWS` rows on,
+    its threads half the host's cores up to 8 unless ``num_threads`` says; the
+    library releases the GIL). When the masks are predicted to take less than
+    :data:`INLINE_BELOW_S` (the median of recent per-row times, times the rows, as
     for a small vocabulary), they are computed at once instead, on the caller's
-    thread, and ``start`` returns the tensor.
+    thread, and ``start`` returns the tensor. A step that builds a matcher (its
+    first mask, which also builds its lexer) is not counted in the prediction.
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._num_threads = num_threads
-        #: Seconds per constrained row, averaged over recent steps (``None``: unknown).
-        self.row_cost_s: float | None = None
+        #: Recent seconds per constrained row, on steps that built no matcher.
+        self.row_costs: deque[float] = deque(maxlen=COST_WINDOW)
 
     def _ensure(self) -> tuple[ThreadPoolExecutor, llguidance.LLExecutor]:
         if self._pool is None or self._executor is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
             self._executor = llguidance.LLExecutor(self._num_threads or _default_threads())
         return self._pool, self._executor
+
+    def predicted_s(self, rows: int) -> float | None:
+        """The predicted mask time of ``rows`` constrained rows (``None``: unknown)."""
+        if not self.row_costs:
+            return None
+        ordered = sorted(self.row_costs)
+        return rows * ordered[len(ordered) // 2]
 
     def start(
         self,
@@ -277,28 +370,22 @@ class BitmaskFiller:
     ) -> Future[torch.Tensor] | torch.Tensor | None:
         """The bitmask (one row per entry of ``states``), computed in the background
         or at once; ``None`` when no entry is constrained."""
-        rows = sum(s is not None for s in states)
-        if rows == 0:
+        if all(s is None for s in states):
             return None
-        states, outputs = list(states), list(outputs)
-        if self.row_cost_s is None or rows * self.row_cost_s < INLINE_BELOW_S:
-            return self._timed(None, rows, states, outputs, vocab_size)
+        job = _prepare(states, outputs, vocab_size)
+        rows = len(job.work) + len(job.fresh)
+        predicted = self.predicted_s(rows)
+        if predicted is None or predicted < INLINE_BELOW_S:
+            return self._timed(None, job)
         pool, executor = self._ensure()
-        return pool.submit(self._timed, executor, rows, states, outputs, vocab_size)
+        return pool.submit(self._timed, executor, job)
 
-    def _timed(
-        self,
-        executor: llguidance.LLExecutor | None,
-        rows: int,
-        states: list[GrammarState | None],
-        outputs: list[Sequence[int]],
-        vocab_size: int,
-    ) -> torch.Tensor:
+    def _timed(self, executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Tensor:
         t = time.perf_counter()
-        mask = fill_bitmask(executor, states, outputs, vocab_size)
-        cost = (time.perf_counter() - t) / rows
-        previous = self.row_cost_s
-        self.row_cost_s = cost if previous is None else 0.8 * previous + 0.2 * cost
+        mask = _compute(executor, job)
+        rows = len(job.work) + len(job.fresh)
+        if rows and not job.fresh:
+            self.row_costs.append((time.perf_counter() - t) / rows)
         return mask
 
     def shutdown(self) -> None:
@@ -315,28 +402,7 @@ def fill_bitmask(
 ) -> torch.Tensor:
     """``[len(states), ceil(V / 32)]`` int32: bit ``t`` of row ``i`` set when token ``t``
     is allowed; unconstrained rows allow everything."""
-    mask = torch.full((len(states), bitmask_width(vocab_size)), -1, dtype=torch.int32)
-    work: list[tuple[LLMatcher, int]] = []
-    for i, state in enumerate(states):
-        if state is None:
-            continue
-        state.sync(outputs[i])
-        if state.failed:
-            _only(mask[i], state.grammar.tokenizer.eos_tokens)
-        else:
-            work.append((state.matcher, i))
-    if work:
-        if executor is None or len(work) < PARALLEL_MIN_ROWS:
-            for matcher, i in work:
-                row = mask[i]
-                matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        else:
-            executor.unsafe_compute_mask_ptr(work, mask.data_ptr(), mask.shape[1] * 4, len(states))
-        for _, i in work:
-            if not bool(mask[i].any()):
-                # Nothing allowed (a matcher that failed inside the library): end.
-                _only(mask[i], states[i].grammar.tokenizer.eos_tokens)  # type: ignore[union-attr]
-    return mask
+    return _compute(executor, _prepare(states, outputs, vocab_size))
 
 
 def _only(row: torch.Tensor, token_ids: Sequence[int]) -> None:
@@ -369,20 +435,31 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     has one row per row of ``logits``; a new tensor).
 
     On the CPU the bits are unpacked by numpy (one byte per token, no int32
-    intermediate); on an accelerator the packed words travel and are unpacked there.
+    intermediate); when only some rows are constrained (the usual batch), the copy
+    is masked in numpy too, whose calls cost a third of torch's on a small vocabulary.
+    On an accelerator the packed words travel and are unpacked there.
     """
     vocab = logits.shape[-1]
-    index = torch.tensor(list(rows), dtype=torch.int64)
-    packed = bitmask.index_select(0, index)
-    if logits.device.type == "cpu":
-        bits = np.unpackbits(packed.numpy().view(np.uint8), axis=-1, bitorder="little")
+    cpu = logits.device.type == "cpu"
+    if cpu and len(rows) < logits.shape[0] and logits.dtype == torch.float32:
+        out = logits.clone()
+        values = out.numpy()
+        index = np.asarray(rows, dtype=np.intp)
+        packed = bitmask.numpy()[index].view(np.uint8)
+        bits = np.unpackbits(packed, axis=-1, count=vocab, bitorder="little").view(np.bool_)
+        values[index] = np.where(bits, values[index], np.float32(-np.inf))
+        return out
+    index_t = torch.tensor(list(rows), dtype=torch.int64)
+    packed_t = bitmask.index_select(0, index_t)
+    if cpu:
+        bits = np.unpackbits(packed_t.numpy().view(np.uint8), axis=-1, bitorder="little")
         allowed = torch.from_numpy(bits[:, :vocab]).view(torch.bool)
     else:
-        allowed = unpack_bitmask(packed.to(logits.device, non_blocking=True), vocab)
+        allowed = unpack_bitmask(packed_t.to(logits.device, non_blocking=True), vocab)
     blocked = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
     if len(rows) == logits.shape[0]:
         return torch.where(allowed, logits, blocked)
     out = logits.clone()
-    dev_index = index.to(logits.device)
+    dev_index = index_t.to(logits.device)
     out[dev_index] = torch.where(allowed, out[dev_index], blocked)
     return out
