@@ -127,11 +127,16 @@ def build_layout(
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store ``[T, num_kv_heads, head_dim]`` K and V at the flat slots ``slot_mapping``."""
+    """Store ``[T, num_kv_heads, head_dim]`` K and V at the flat slots ``slot_mapping``.
+
+    The cache is viewed as rows of ``num_kv_heads * head_dim`` elements: one
+    ``index_copy_`` of whole rows per tensor (copying ``[heads, head_dim]`` items
+    instead is many times slower on the CPU)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads * head_dim)
+    n = slot_mapping.shape[0]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype).reshape(n, -1))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype).reshape(n, -1))
 
 
 def _gather(

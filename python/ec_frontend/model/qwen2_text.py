@@ -5,6 +5,11 @@ M-RoPE, SwiGLU MLP) over the flattened tokens of a whole step: every linear
 layer runs once over all ``T`` tokens, attention goes through
 :mod:`ec_frontend.model.paged_attention`. Parameter names match the
 ``model.language_model.*`` names of ``transformers`` (without that prefix).
+
+The q/k/v projections run as one matrix product, and so do the MLP's gate and
+up projections: on first use their weights are moved into one tensor that the
+separate parameters then view (:class:`FusedLinears`), so names, state dicts and
+memory stay those of the separate layers. Q and K are rotated together.
 """
 
 from __future__ import annotations
@@ -152,11 +157,76 @@ class MRotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def signed(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """``(cos, signed_sin)``: :meth:`forward`'s pair with the first half of ``sin``
+        negated, as :func:`_rotate_signed` takes it."""
+        cos, sin = self(positions, dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _rotate_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rotate` with the sign of the rotated half folded into ``signed_sin``
+    (``[-sin_1, sin_2]``): the same values, one negation fewer per call."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+class FusedLinears:
+    """Several linear layers over the same input as one matrix product.
+
+    The layers' weights (and biases) are concatenated once into one tensor and
+    each parameter's data becomes a view of its rows, so the parameters keep
+    their names and values and no memory is doubled. If a parameter is later
+    given new storage (``.to()``, a reassigned ``.data``), the next call fuses
+    again.
+    """
+
+    def __init__(self, *layers: nn.Linear) -> None:
+        self.layers = layers
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def _fused(self) -> bool:
+        weight = self.weight
+        if weight is None or weight.device != self.layers[0].weight.device:
+            return False
+        row = 0
+        for layer in self.layers:
+            rows = layer.weight.shape[0]
+            if layer.weight.data_ptr() != weight[row].data_ptr():
+                return False
+            if self.bias is not None and layer.bias.data_ptr() != self.bias[row].data_ptr():
+                return False
+            row += rows
+        return True
+
+    def _fuse(self) -> None:
+        with torch.no_grad():
+            weight = torch.cat([layer.weight for layer in self.layers])
+            has_bias = all(layer.bias is not None for layer in self.layers)
+            bias = torch.cat([layer.bias for layer in self.layers]) if has_bias else None
+            row = 0
+            for layer in self.layers:
+                rows = layer.weight.shape[0]
+                layer.weight.data = weight[row : row + rows]
+                if bias is not None:
+                    layer.bias.data = bias[row : row + rows]
+                row += rows
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._fused():
+            self._fuse()
+        if self.bias is None and any(layer.bias is not None for layer in self.layers):
+            return torch.cat([layer(x) for layer in self.layers], dim=-1)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -170,6 +240,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
         self.scale = d**-0.5
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -179,11 +250,13 @@ class Attention(nn.Module):
         layout: PagedLayout,
         slots: torch.Tensor,
     ) -> torch.Tensor:
+        """``rope`` is ``(cos, signed_sin)`` from :meth:`MRotaryEmbedding.signed`."""
         n = x.shape[0]
-        cos, sin = rope[0][:, None, :], rope[1][:, None, :]
-        q = _rotate(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _rotate(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        qk = _rotate_signed(qkv[:, : heads + kv_heads], rope[0][:, None, :], rope[1][:, None, :])
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, heads + kv_heads :]
         write_kv(kv_cache, k, v, slots)
         out = paged_attention(q, k, v, kv_cache, layout, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -195,9 +268,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)
+        size = gate_up.shape[-1] // 2
+        return self.down_proj(F.silu(gate_up[..., :size]) * gate_up[..., size:])
 
 
 class DecoderLayer(nn.Module):
@@ -246,7 +322,7 @@ class Qwen2TextModel(nn.Module):
     ) -> torch.Tensor:
         layout = build_layout(meta, inputs_embeds.device, self.attention_backend)
         slots = meta.slot_mapping.to(inputs_embeds.device)
-        rope = self.rotary(positions.to(inputs_embeds.device), inputs_embeds.dtype)
+        rope = self.rotary.signed(positions.to(inputs_embeds.device), inputs_embeds.dtype)
         h = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, rope, kv_cache, layout, slots)
