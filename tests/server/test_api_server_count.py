@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -301,6 +302,19 @@ def test_bad_count_is_a_startup_error(flags: list[str], message: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_a_port_in_use_is_a_startup_error() -> None:
+    """Another listener on the port (without SO_REUSEPORT) keeps the group out."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cli = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--mock-engine"]
+        args = [*cli, "--port", str(port), "--api-server-count", "2"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot bind 127.0.0.1:{port}" in done.stderr
 
 
 def test_one_server_is_the_default(mock_server: ServerProcess) -> None:
