@@ -1,16 +1,20 @@
-"""Image preprocessing: the native (Rust) Qwen2-VL path against transformers' (PIL
-backend, as the server runs it: Pillow decode + RGB, then the image processor).
+"""Image preprocessing: the native (Rust) Qwen2-VL path against transformers' two
+backends as the server would run them (Pillow decode + RGB, then the image processor):
+the PIL backend (``Qwen2VLImageProcessorPil``, what this environment runs) and the
+torchvision backend (``Qwen2VLImageProcessor``; torchvision is a test-only install in
+``.venv/extras/torchvision``, so that path runs in a child process with it on
+``PYTHONPATH``).
 
-1. ms per image, one thread, Qwen2-VL checkpoint pixel range (min 3136, max
-   12845056): 1280x720 JPEG, 448x448 PNG, 3000x4000 JPEG.
+1. ms per image, one thread (torch and rayon), Qwen2-VL checkpoint pixel range (min
+   3136, max 12845056): 1280x720 JPEG, 448x448 PNG, 3000x4000 JPEG.
 2. Scaling: images per second with 1 and 2 concurrent Python threads calling each
    path (the native call releases the GIL; transformers' mostly holds it).
 3. End to end: ``ec-frontend serve --mock-engine`` whose mock processor runs the
    image path (``EC_FRONTEND_MOCK_IMAGE_MODEL``), chat requests with 4 x 1280x720
-   JPEGs each, requests/s and server CPU seconds per request, native vs transformers
+   JPEGs each (all distinct: the native path decodes known bytes only once),
+   requests/s and server CPU seconds per request, native vs transformers PIL
    (``EC_FRONTEND_DISABLE_NATIVE_PREPROCESS=1``).
 
-The torchvision backend is not measured: torchvision is not installed here.
 Writes ``benches/results/bench_preprocess.json``.
 
 Run: ``.venv/bin/python benches/bench_preprocess.py [--quick]``.
@@ -26,6 +30,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +51,7 @@ from bench_serving import launch_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results"
+TORCHVISION_DIR = ROOT / ".venv" / "extras" / "torchvision"
 #: Qwen2-VL-7B-Instruct's preprocessor_config.json pixel range.
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16384
 
@@ -70,7 +76,7 @@ def processor() -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
-def python_path(ip: Qwen2VLImageProcessorPil, data: bytes) -> Any:
+def transformers_path(ip: Any, data: bytes) -> Any:
     image = decode_image(data, index=0, max_pixels=200_000_000)
     return ip(images=[image], return_tensors="pt")["pixel_values"]
 
@@ -86,51 +92,101 @@ def timed(fn: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
-def per_image(quick: bool) -> list[dict[str, Any]]:
+def test_images(quick: bool) -> list[tuple[str, bytes, int]]:
+    """``(name, bytes, repeats)`` of the per-image table."""
+    return [
+        ("1280x720 JPEG", encoded("JPEG", 720, 1280), 3 if quick else 10),
+        ("448x448 PNG", encoded("PNG", 448, 448), 5 if quick else 20),
+        ("3000x4000 JPEG", encoded("JPEG", 4000, 3000), 1 if quick else 3),
+    ]
+
+
+def rates(fn: Any, per_thread: int) -> list[float]:
+    """Images/s of 1 and 2 threads each calling ``fn`` ``per_thread`` times."""
+    fn()
+    out = []
+    for threads in (1, 2):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda _: [fn() for _ in range(per_thread)], range(threads)))
+        out.append(threads * per_thread / (time.perf_counter() - start))
+    return out
+
+
+def torchvision_worker(quick: bool) -> None:
+    """In the child process: the torchvision backend's timings, as JSON on stdout."""
+    import torch
+    import torchvision
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    ip = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    torch.set_num_threads(1)
+    per_image = {
+        name: timed(lambda d=data: transformers_path(ip, d), repeat)
+        for name, data, repeat in test_images(quick)
+    }
+    torch.set_num_threads(2)
+    data = encoded("JPEG", 720, 1280)
+    scaling = rates(lambda: transformers_path(ip, data), 4 if quick else 12)
+    print(json.dumps({"version": torchvision.__version__, "per_image": per_image,
+                      "scaling": scaling}))  # fmt: skip
+
+
+def torchvision_timings(quick: bool) -> dict[str, Any] | None:
+    """The torchvision backend's timings from a child process, or ``None`` (said why)."""
+    if not (TORCHVISION_DIR / "torchvision").is_dir():
+        print(f"torchvision: not installed in {TORCHVISION_DIR} (scripts/setup.sh installs it)")
+        return None
+    args = [sys.executable, __file__, "--torchvision-worker"] + (["--quick"] if quick else [])
+    env = dict(os.environ, PYTHONPATH=str(TORCHVISION_DIR))
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def per_image(quick: bool, tv: dict[str, Any] | None) -> list[dict[str, Any]]:
     ip = processor()
     native = native_preprocessor_for(ip, max_image_pixels=200_000_000)
     assert native is not None
     rows = []
-    for name, data, repeat in (
-        ("1280x720 JPEG", encoded("JPEG", 720, 1280), 3 if quick else 10),
-        ("448x448 PNG", encoded("PNG", 448, 448), 5 if quick else 20),
-        ("3000x4000 JPEG", encoded("JPEG", 4000, 3000), 1 if quick else 3),
-    ):
-        t_py = timed(lambda d=data: python_path(ip, d), repeat)
+    for name, data, repeat in test_images(quick):
+        t_py = timed(lambda d=data: transformers_path(ip, d), repeat)
         t_nat = timed(lambda d=data: native.preprocess([d], [0]), repeat)
-        rows.append(
-            {
-                "image": name,
-                "transformers_pil_ms": round(t_py * 1e3, 2),
-                "native_ms": round(t_nat * 1e3, 2),
-                "speedup": round(t_py / t_nat, 1),
-            }
-        )
-        print(f"{name:16s} transformers {t_py * 1e3:8.1f} ms  native {t_nat * 1e3:7.1f} ms  "
-              f"x{t_py / t_nat:.1f}")  # fmt: skip
+        row: dict[str, Any] = {
+            "image": name,
+            "transformers_pil_ms": round(t_py * 1e3, 2),
+            "native_ms": round(t_nat * 1e3, 2),
+            "speedup_vs_pil": round(t_py / t_nat, 1),
+        }
+        line = f"{name:16s} PIL {t_py * 1e3:8.1f} ms  native {t_nat * 1e3:7.1f} ms"
+        line += f"  x{t_py / t_nat:.1f}"
+        if tv is not None:
+            t_tv = tv["per_image"][name]
+            row["transformers_torchvision_ms"] = round(t_tv * 1e3, 2)
+            row["speedup_vs_torchvision"] = round(t_tv / t_nat, 1)
+            line += f"  torchvision {t_tv * 1e3:8.1f} ms  x{t_tv / t_nat:.1f}"
+        rows.append(row)
+        print(line)
     return rows
 
 
-def scaling(quick: bool) -> list[dict[str, Any]]:
+def scaling(quick: bool, tv: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Images/s of N threads each preprocessing 1280x720 JPEGs one call at a time."""
     ip = processor()
     native = native_preprocessor_for(ip, max_image_pixels=200_000_000)
     assert native is not None
     data = encoded("JPEG", 720, 1280)
     per_thread = 4 if quick else 12
+    measured = {
+        "transformers_pil": rates(lambda: transformers_path(ip, data), per_thread),
+        "native": rates(lambda: native.preprocess([data], [0]), per_thread),
+    }
+    if tv is not None:
+        measured["transformers_torchvision"] = tv["scaling"]
     rows = []
-    for label, fn in (
-        ("transformers_pil", lambda: python_path(ip, data)),
-        ("native", lambda: native.preprocess([data], [0])),
-    ):
-        fn()
-        for threads in (1, 2):
-            start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda _, f=fn: [f() for _ in range(per_thread)], range(threads)))
-            rate = threads * per_thread / (time.perf_counter() - start)
+    for label, per in measured.items():
+        for threads, rate in zip((1, 2), per, strict=True):
             rows.append({"path": label, "threads": threads, "images_per_s": round(rate, 1)})
-            print(f"{label:16s} {threads} thread(s): {rate:6.1f} images/s")
+            print(f"{label:24s} {threads} thread(s): {rate:6.1f} images/s")
     return rows
 
 
@@ -154,11 +210,18 @@ def cpu_seconds(pid: int) -> float:
 
 def end_to_end(quick: bool, tmp: Path) -> list[dict[str, Any]]:
     model_dir = image_model_dir(tmp)
-    url_part = "data:image/jpeg;base64," + base64.b64encode(encoded("JPEG", 720, 1280)).decode()
-    content: list[dict[str, Any]] = [{"type": "text", "text": "compare these"}]
-    content += [{"type": "image_url", "image_url": {"url": url_part}} for _ in range(4)]
-    body = {"model": "mock", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
     n_requests = 8 if quick else 24
+
+    def body(i: int) -> dict[str, Any]:
+        content: list[dict[str, Any]] = [{"type": "text", "text": "compare these"}]
+        for k in range(4):
+            data = encoded("JPEG", 720, 1280, seed=1000 + 4 * i + k)
+            url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+            content.append({"type": "image_url", "image_url": {"url": url}})
+        return {"model": "mock", "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4}  # fmt: skip
+
+    bodies = [body(i) for i in range(n_requests + 1)]
     rows = []
     for label, disable in (("transformers_pil", "1"), ("native", "0")):
         os.environ["EC_FRONTEND_MOCK_IMAGE_MODEL"] = str(model_dir)
@@ -166,12 +229,12 @@ def end_to_end(quick: bool, tmp: Path) -> list[dict[str, Any]]:
         proc, url = launch_server(["--mock-engine", "--log-level", "warning"])
         try:
             with httpx.Client(timeout=300) as client:
-                client.post(url + "/v1/chat/completions", json=body).raise_for_status()
+                client.post(url + "/v1/chat/completions", json=bodies[-1]).raise_for_status()
                 cpu0 = cpu_seconds(proc.pid)
                 start = time.perf_counter()
 
-                def send(_: int, c: httpx.Client = client, u: str = url) -> None:
-                    c.post(u + "/v1/chat/completions", json=body).raise_for_status()
+                def send(i: int, c: httpx.Client = client, u: str = url) -> None:
+                    c.post(u + "/v1/chat/completions", json=bodies[i]).raise_for_status()
 
                 with ThreadPoolExecutor(4) as pool:
                     list(pool.map(send, range(n_requests)))
@@ -201,16 +264,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--torchvision-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch_threads = os.environ.get("OMP_NUM_THREADS")
+    if args.torchvision_worker:
+        torchvision_worker(args.quick)
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    tv = torchvision_timings(args.quick)
     result: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "pixel_range": [MIN_PIXELS, MAX_PIXELS],
-        "omp_num_threads": torch_threads,
-        "torchvision": "not installed (not measured)",
+        "torch_threads_per_image": 1,
+        "torchvision": tv["version"] if tv else "not installed (not measured)",
     }
-    result["per_image_one_thread"] = per_image(args.quick)
-    result["scaling_1280x720_jpeg"] = scaling(args.quick)
+    result["per_image_one_thread"] = per_image(args.quick, tv)
+    torch.set_num_threads(2)
+    result["scaling_1280x720_jpeg"] = scaling(args.quick, tv)
     if not args.skip_e2e:
         with tempfile.TemporaryDirectory() as tmp:
             result["end_to_end_mock_engine_4x1280x720"] = end_to_end(args.quick, Path(tmp))
