@@ -184,3 +184,18 @@ def test_unreachable_master_is_a_startup_error() -> None:
             ),
             ECConnectorRole.WORKER,
         )
+
+
+def test_items_of_another_width_after_the_first_read(pair: Any) -> None:
+    """Reads after the first skip the size lookup (they assume its row width); an item
+    of another width is then read through the lookup, and a wrong row count stays a miss."""
+    producer, consumer = pair
+    narrow, wide = torch.randn(3, 8), torch.randn(5, 24)
+    producer.save_caches({H1: narrow}, H1)
+    producer.save_caches({H2: wide}, H2)
+    assert torch.equal(load(consumer, (H1, 3))[H1], narrow)
+    assert consumer.store._width == 8
+    got = load(consumer, (H2, 5), (H1, 3))
+    assert torch.equal(got[H2], wide) and torch.equal(got[H1], narrow)
+    assert load(consumer, (H2, 4)) == {}
+    assert (consumer.stats.items_loaded, consumer.stats.load_failures) == (3, 1)

@@ -34,7 +34,9 @@ master's ``--enable_http_metadata_server``), ``protocol`` (``tcp`` or
 ``embedding_model_identity`` (default ``default``), ``store_read_buffer_bytes``
 (default 128 MB: a larger item is not read; items are read straight into their
 own tensors, not through a shared buffer). ec-frontend's own:
-``embedding_revision`` (default ``default``), ``embedding_encoder_identity``
+``prefer_local_segment`` (default true: a put lands in the memory this
+instance lends the store, a local copy instead of a network write; consumers
+read it from there), ``embedding_revision`` (default ``default``), ``embedding_encoder_identity``
 (default ``encoder:default``), ``embedding_dtype`` (default ``torch.float32``:
 the model's dtype; the key of every instance must agree), ``local_hostname``
 (the address other store clients reach this one at; default: this host's
@@ -145,6 +147,7 @@ class StoreSettings:
     timeout_s: float
     namespace: str
     dtype: torch.dtype
+    prefer_local_segment: bool = True
 
     @classmethod
     def from_extra(cls, extra_config: Any) -> StoreSettings:
@@ -188,7 +191,13 @@ class StoreSettings:
                 ("store_read_buffer_bytes", 128 << 20),
             )
         }
+        local = extra.get("prefer_local_segment", True)
+        if not isinstance(local, bool):
+            raise ConfigError(
+                f"{PREFIX}.prefer_local_segment must be a boolean", f"{PREFIX}.prefer_local_segment"
+            )
         return cls(
+            prefer_local_segment=local,
             master_server_address=master,
             metadata_server=strings["metadata_server"],
             protocol=strings["protocol"],
@@ -260,6 +269,11 @@ class EmbeddingStore:
         )
         if ret != 0:
             raise ConfigError(f"Mooncake Store refused a buffer (code {ret})", "mooncake")
+        self._replicate = store_module.ReplicateConfig()
+        if s.prefer_local_segment:
+            self._replicate.preferred_segment = self.store.get_hostname()
+        #: Row width of the values read so far: later reads skip the size lookup.
+        self._width: int | None = None
         self._close_lock = threading.Lock()
         self._closed = False
         _OPEN.add(self)
@@ -326,7 +340,7 @@ class EmbeddingStore:
                 return int(ret)
             try:
                 [result] = store.batch_put_from_multi_buffers(
-                    [key], [[head, tensor.data_ptr()]], [[HEADER.size, nbytes]]
+                    [key], [[head, tensor.data_ptr()]], [[HEADER.size, nbytes]], self._replicate
                 )
             finally:
                 store.unregister_buffer(tensor.data_ptr())
@@ -350,6 +364,17 @@ class EmbeddingStore:
         """
         if not rows:
             return {}
+        width = self._width
+        if width is not None:
+            # The width every value so far had: read at once, and look up the sizes
+            # only of those that turn out to have another.
+            guess = [(k, torch.empty(n, width, dtype=self.settings.dtype)) for k, n in rows.items()]
+            found = self._read_all(guess, quiet=True)
+            rest = {k: n for k, n in rows.items() if k not in found}
+            return found | (self._get_sized(rest) if rest else {})
+        return self._get_sized(rows)
+
+    def _get_sized(self, rows: dict[str, int]) -> dict[str, torch.Tensor]:
         keys = list(rows)
         try:
             sizes = self.calls.call(lambda: [int(self.store.get_size(k)) for k in keys])
@@ -367,13 +392,22 @@ class EmbeddingStore:
                 logger.warning("Mooncake Store item %s: %d bytes for %d rows", key, body, rows[key])
             else:
                 targets[key] = torch.empty(rows[key], body // per_row, dtype=dtype)
-        found: dict[str, torch.Tensor] = {}
-        batch = list(targets.items())
-        for i in range(0, len(batch), _HEADERS):
-            found.update(self._read(batch[i : i + _HEADERS]))
+        found = self._read_all(list(targets.items()))
+        if found:
+            self._width = next(iter(found.values())).shape[1]
         return found
 
-    def _read(self, batch: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _read_all(
+        self, batch: list[tuple[str, torch.Tensor]], *, quiet: bool = False
+    ) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for i in range(0, len(batch), _HEADERS):
+            found.update(self._read(batch[i : i + _HEADERS], quiet=quiet))
+        return found
+
+    def _read(
+        self, batch: list[tuple[str, torch.Tensor]], *, quiet: bool = False
+    ) -> dict[str, torch.Tensor]:
         headers = ctypes.addressof(self._headers)
         keys = [k for k, _ in batch]
         ptrs = [[headers + i * HEADER.size, t.data_ptr()] for i, (_, t) in enumerate(batch)]
@@ -402,6 +436,8 @@ class EmbeddingStore:
         for i, ((key, tensor), result) in enumerate(zip(batch, results, strict=True)):
             expected = HEADER.size + tensor.numel() * tensor.element_size()
             header = HEADER.unpack_from(self._headers, i * HEADER.size)
+            if quiet and (result != expected or header != (MAGIC, code, *tensor.shape)):
+                continue
             if result != expected:
                 logger.warning("Mooncake Store get of %s failed (code %s)", key, result)
             elif header != (MAGIC, code, *tensor.shape):
