@@ -1,10 +1,10 @@
 """Real model shapes with ``--load-format dummy`` in bf16 on the CPU.
 
-The configs are the published ``config.json`` values of Qwen2-VL-2B-Instruct and
-Qwen2.5-VL-3B-Instruct. With random weights from the config alone, the server
-starts and serves a short greedy request, and one forward (text and an image) gives
-the logits of ``transformers``' model holding the same tensors, within bf16
-tolerance. The tokenizer and image processor are the built-in model's (their
+The configs are the published ``config.json`` values of Qwen2-VL-2B-Instruct,
+Qwen2.5-VL-3B-Instruct and Qwen3-VL-2B-Instruct. With random weights from the
+config alone, the server starts and serves a short greedy request, and one forward
+(text and an image) gives the logits of ``transformers``' model holding the same
+tensors, within bf16 tolerance. The tokenizer and image processor are the built-in model's (their
 vocabulary fits in the real one); the prompts are built from the config's own
 special-token ids.
 """
@@ -29,6 +29,7 @@ from transformers import (
     AutoConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from ..helpers import processes
@@ -72,9 +73,31 @@ QWEN2_5_VL_3B: dict[str, Any] = {
                       "temporal_patch_size": 2},
 }  # fmt: skip
 
+QWEN3_VL_2B: dict[str, Any] = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": True,
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text", "num_attention_heads": 16, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 5000000,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                         "rope_type": "default"},
+        "tie_word_embeddings": True, "use_cache": True, "vocab_size": 151936},
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02,
+        "intermediate_size": 4096, "model_type": "qwen3_vl", "num_heads": 16,
+        "num_position_embeddings": 2304, "out_hidden_size": 2048, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2},
+}  # fmt: skip
+
 MODELS = {
     "Qwen2-VL-2B": (QWEN2_VL_2B, Qwen2VLForConditionalGeneration),
     "Qwen2.5-VL-3B": (QWEN2_5_VL_3B, Qwen2_5_VLForConditionalGeneration),
+    "Qwen3-VL-2B": (QWEN3_VL_2B, Qwen3VLForConditionalGeneration),
 }
 
 
@@ -172,7 +195,8 @@ def test_forward_logits_equal_transformers_on_the_same_dummy_weights(root: Path,
     hf = transformers_twin(directory, MODELS[name][1], ours)
     grid = [1, 4, 6]  # 24 patches -> 6 image tokens
     gen = torch.Generator().manual_seed(0)
-    pixels = torch.randn(24, 3 * 2 * 14 * 14, generator=gen)
+    patch = MODELS[name][0]["vision_config"]["patch_size"]
+    pixels = torch.randn(24, 3 * 2 * patch * patch, generator=gen)
     ids = [QWEN_IDS["bos_token_id"], 300, 301, QWEN_IDS["vision_start_token_id"]]
     ids += [QWEN_IDS["image_token_id"]] * 6 + [QWEN_IDS["vision_end_token_id"]]
     ids += [400, 17, 250, 99, 5, 123]
