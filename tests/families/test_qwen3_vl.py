@@ -94,9 +94,15 @@ def test_processor_and_rope_index_match_transformers(ours, hf, case):
     assert mine.mrope_position_delta == int(delta)
 
 
-def test_encoder_output_carries_merged_tokens_then_deepstack_features(ours, hf, model):
+def decoded_inputs(directory: Path, case: str) -> Any:
+    """The case through a fresh processor: one that has not seen its images, so it
+    decodes them (a processor defers pixels of images it decoded before)."""
+    return load_processor(directory).process_chat(chat_messages(case, urls=False), media(case))
+
+
+def test_encoder_output_carries_merged_tokens_then_deepstack_features(qwen3_vl_dir, hf, model):
     _, hf_model = hf
-    mine = ours.process_chat(chat_messages("two-images", urls=False), media("two-images"))
+    mine = decoded_inputs(qwen3_vl_dir, "two-images")
     pixels = torch.cat([f.pixel_values for f in mine.mm_features])
     grids = torch.tensor([f.image_grid_thw for f in mine.mm_features])
     got = model.encode_images(pixels, grids)
@@ -137,10 +143,10 @@ def _prefill_logits(model: Any, inputs: Any, rows: list[torch.Tensor]) -> torch.
     return model.compute_logits(hidden[-1:])[0]
 
 
-def test_prefill_logits_equal_transformers_and_need_the_deepstack_features(ours, hf, model):
+def test_prefill_logits_equal_transformers_and_need_the_deepstack_features(qwen3_vl_dir, hf, model):
     hf_processor, hf_model = hf
     case = "two-images"
-    mine = ours.process_chat(chat_messages(case, urls=False), media(case))
+    mine = decoded_inputs(qwen3_vl_dir, case)
     pixels = torch.cat([f.pixel_values for f in mine.mm_features])
     grids = torch.tensor([f.image_grid_thw for f in mine.mm_features])
     rows = model.encode_images(pixels, grids)
