@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ec_frontend._core import (
+    ClipPreprocessor,
     ImageError,
     Limits,
     MediaItem,
@@ -22,6 +23,7 @@ from ec_frontend._core import (
 )
 
 __all__ = [
+    "ClipPreprocessor",
     "ImageError",
     "Limits",
     "MediaItem",

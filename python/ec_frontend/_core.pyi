@@ -351,6 +351,35 @@ class QwenVlPreprocessor:
         released throughout; the images are processed in parallel. Raises
         :class:`ImageError` for the first failing image (by position)."""
 
+class ClipPreprocessor:
+    """transformers' CLIP image processor (PIL backend) in Rust, for CLIP-tower families
+    (LLaVA-1.5): decode and RGB as :class:`QwenVlPreprocessor`, the shortest edge resized
+    to ``shortest_edge`` with Pillow's resampling, a centre crop, rescale, normalize,
+    channel-first. Equal to transformers' output."""
+
+    def __init__(
+        self,
+        *,
+        shortest_edge: int,
+        crop_height: int,
+        crop_width: int,
+        rescale_factor: float,
+        image_mean: list[float],
+        image_std: list[float],
+        resample: int = 3,
+        formats: list[str] | None = None,
+        max_image_pixels: int = 64_000_000,
+    ) -> None:
+        """As :class:`QwenVlPreprocessor`; a crop larger than ``shortest_edge`` (which
+        transformers pads) raises ``ValueError``."""
+
+    def preprocess(
+        self, images: list[bytes]
+    ) -> list[tuple[PixelBuffer, tuple[int, int, int, int]]]:
+        """Per image ``(pixels, (1, 3, crop_height, crop_width))``, in order, the GIL
+        released and the images processed in parallel. Raises :class:`ImageError` for the
+        first failing image (by position)."""
+
 def probe_image(
     data: bytes, *, index: int = 0, formats: list[str] | None = None
 ) -> tuple[str, int, int]:

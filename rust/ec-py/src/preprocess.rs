@@ -6,7 +6,9 @@
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
 
-use ec_core::preprocess::{self, Filter, ImageFormat, PreprocessError, QwenVlConfig, QwenVlOutput};
+use ec_core::preprocess::{
+    self, ClipConfig, ClipOutput, Filter, ImageFormat, PreprocessError, QwenVlConfig, QwenVlOutput,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
@@ -195,11 +197,7 @@ impl PyQwenVlPreprocessor {
         formats: Option<Vec<String>>,
         max_image_pixels: u64,
     ) -> PyResult<Self> {
-        let filter = Filter::from_pillow(resample).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "resample {resample} is not supported natively (2 bilinear, 3 bicubic)"
-            ))
-        })?;
+        let filter = filter(resample)?;
         let config = QwenVlConfig {
             min_pixels,
             max_pixels,
@@ -266,6 +264,88 @@ impl PyQwenVlPreprocessor {
     }
 }
 
+fn filter(resample: i64) -> PyResult<Filter> {
+    Filter::from_pillow(resample).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "resample {resample} is not supported natively (2 bilinear, 3 bicubic)"
+        ))
+    })
+}
+
+/// One image's pixels, their `(1, 3, height, width)` shape.
+type ClipPreprocessed = (PixelBuffer, (usize, usize, usize, usize));
+
+/// The CLIP image rule (shortest edge, centre crop) with a checkpoint's values.
+#[pyclass(module = "ec_frontend._core", name = "ClipPreprocessor", frozen)]
+pub struct PyClipPreprocessor {
+    config: ClipConfig,
+    formats: Vec<ImageFormat>,
+    max_image_pixels: u64,
+}
+
+#[pymethods]
+impl PyClipPreprocessor {
+    #[new]
+    #[pyo3(signature = (*, shortest_edge, crop_height, crop_width, rescale_factor, image_mean,
+                        image_std, resample = 3, formats = None, max_image_pixels = 64_000_000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        shortest_edge: u32,
+        crop_height: u32,
+        crop_width: u32,
+        rescale_factor: f64,
+        image_mean: [f32; 3],
+        image_std: [f32; 3],
+        resample: i64,
+        formats: Option<Vec<String>>,
+        max_image_pixels: u64,
+    ) -> PyResult<Self> {
+        let config = ClipConfig {
+            shortest_edge,
+            crop_height,
+            crop_width,
+            rescale_factor,
+            image_mean,
+            image_std,
+            filter: filter(resample)?,
+        };
+        config.validate().map_err(PyValueError::new_err)?;
+        Ok(Self {
+            config,
+            formats: self::formats(formats)?,
+            max_image_pixels,
+        })
+    }
+
+    /// Decodes and preprocesses `images` with the GIL released, in parallel; returns
+    /// `[(PixelBuffer, (1, 3, height, width))]` in order, or raises `ImageError` for the
+    /// first image (by position) that fails.
+    fn preprocess(
+        &self,
+        py: Python<'_>,
+        images: Vec<Bound<'_, PyBytes>>,
+    ) -> PyResult<Vec<ClipPreprocessed>> {
+        let slices: Vec<&[u8]> = images.iter().map(|b| b.as_bytes()).collect();
+        let results = py.detach(|| {
+            self.config
+                .preprocess_many(&slices, &self.formats, self.max_image_pixels)
+        });
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let ClipOutput {
+                    pixel_values,
+                    height,
+                    width,
+                } = r.map_err(|e| image_error(py, i, &e))?;
+                let shape = (1, 3, height as usize, width as usize);
+                Ok((PixelBuffer::new(pixel_values), shape))
+            })
+            .collect()
+    }
+}
+
 /// Registers the functions and classes of this file on the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -276,6 +356,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ImageError", error_type)?;
     m.add_class::<PixelBuffer>()?;
     m.add_class::<PyQwenVlPreprocessor>()?;
+    m.add_class::<PyClipPreprocessor>()?;
     m.add_function(wrap_pyfunction!(probe_image, m)?)?;
     Ok(())
 }

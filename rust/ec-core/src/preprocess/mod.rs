@@ -11,12 +11,15 @@
 //!   fixed-point as Pillow computes it, so resized pixels are bit-identical.
 //! * [`QwenVlConfig`] is the Qwen2-VL / Qwen2.5-VL rule (`smart_resize`, rescale,
 //!   normalize, patchify into `pixel_values` rows and `image_grid_thw`).
+//! * [`ClipConfig`] is the CLIP rule (shortest edge, centre crop, channel-first).
 
+mod clip;
 mod decode;
 mod jpeg;
 mod qwen_vl;
 pub mod resize;
 
+pub use clip::{ClipConfig, ClipOutput};
 pub use decode::{decode_rgb, probe, ImageFormat, ImageInfo, RgbImage};
 pub use qwen_vl::{smart_resize, QwenVlConfig, QwenVlOutput};
 pub use resize::Filter;
@@ -92,6 +95,19 @@ impl PreprocessError {
             _ => "invalid_image",
         }
     }
+}
+
+/// Float32 value of every 8-bit level per channel, as transformers computes it:
+/// `float32(v * rescale_factor)` in float64, then `(x - mean) / std` in float32.
+pub(crate) fn normalization_lut(rescale: f64, mean: &[f32; 3], std: &[f32; 3]) -> [[f32; 256]; 3] {
+    let mut lut = [[0f32; 256]; 3];
+    for (c, table) in lut.iter_mut().enumerate() {
+        for (v, out) in table.iter_mut().enumerate() {
+            let x = (v as f64 * rescale) as f32;
+            *out = (x - mean[c]) / std[c];
+        }
+    }
+    lut
 }
 
 /// Result of this module.

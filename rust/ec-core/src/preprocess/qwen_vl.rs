@@ -7,7 +7,9 @@
 //! `temporal_patch_size` times.
 
 use super::resize::{avx2_dispatch, resize, Filter};
-use super::{decode_rgb, reserve, ImageFormat, PreprocessError, Result, RgbImage};
+use super::{
+    decode_rgb, normalization_lut, reserve, ImageFormat, PreprocessError, Result, RgbImage,
+};
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -122,18 +124,6 @@ impl QwenVlConfig {
         Ok((t * h * w / (self.merge_size * self.merge_size)) as usize)
     }
 
-    /// Float32 value of every 8-bit level per channel, computed as transformers does.
-    fn lut(&self) -> [[f32; 256]; 3] {
-        let mut lut = [[0f32; 256]; 3];
-        for (c, table) in lut.iter_mut().enumerate() {
-            for (v, out) in table.iter_mut().enumerate() {
-                let x = (v as f64 * self.rescale_factor) as f32;
-                *out = (x - self.image_mean[c]) / self.image_std[c];
-            }
-        }
-        lut
-    }
-
     /// Decodes and preprocesses one image.
     pub fn preprocess(
         &self,
@@ -167,7 +157,15 @@ impl QwenVlConfig {
         let p = self.patch_size as usize;
         let m = self.merge_size as usize;
         let t = self.temporal_patch_size as usize;
-        let pixel_values = patchify(&resized, w, h, p, m, t, &self.lut())?;
+        let pixel_values = patchify(
+            &resized,
+            w,
+            h,
+            p,
+            m,
+            t,
+            &normalization_lut(self.rescale_factor, &self.image_mean, &self.image_std),
+        )?;
         let (gh, gw) = (h / p, w / p);
         let patch_dim = 3 * t * p * p;
         Ok(QwenVlOutput {
