@@ -7,7 +7,9 @@
 
 use super::resize::{resize, Filter};
 use super::RgbImage;
-use super::{decode_rgb, normalization_lut, reserve, ImageFormat, PreprocessError, Result};
+use super::{
+    decode_rgb, each_image, normalization_lut, reserve, ImageFormat, PreprocessError, Result,
+};
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,13 +116,8 @@ impl ClipConfig {
         allowed: &[ImageFormat],
         max_image_pixels: u64,
     ) -> Vec<Result<ClipOutput>> {
-        use rayon::prelude::*;
-        if images.len() == 1 {
-            return vec![self.preprocess(images[0], allowed, max_image_pixels)];
-        }
-        images
-            .par_iter()
-            .map(|data| self.preprocess(data, allowed, max_image_pixels))
-            .collect()
+        each_image(images, |data| {
+            self.preprocess(data, allowed, max_image_pixels)
+        })
     }
 }

@@ -110,5 +110,18 @@ pub(crate) fn normalization_lut(rescale: f64, mean: &[f32; 3], std: &[f32; 3]) -
     lut
 }
 
+/// `f` over the images of one request, in parallel on rayon's pool (one image runs on
+/// the calling thread); results in input order, each image's own error in its slot.
+pub(crate) fn each_image<T: Send>(
+    images: &[&[u8]],
+    f: impl Fn(&[u8]) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    use rayon::prelude::*;
+    if images.len() == 1 {
+        return vec![f(images[0])];
+    }
+    images.par_iter().map(|data| f(data)).collect()
+}
+
 /// Result of this module.
 pub type Result<T> = std::result::Result<T, PreprocessError>;

@@ -8,7 +8,8 @@
 
 use super::resize::{avx2_dispatch, resize, Filter};
 use super::{
-    decode_rgb, normalization_lut, reserve, ImageFormat, PreprocessError, Result, RgbImage,
+    decode_rgb, each_image, normalization_lut, reserve, ImageFormat, PreprocessError, Result,
+    RgbImage,
 };
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
@@ -237,13 +238,8 @@ impl QwenVlConfig {
         allowed: &[ImageFormat],
         max_image_pixels: u64,
     ) -> Vec<Result<QwenVlOutput>> {
-        use rayon::prelude::*;
-        if images.len() == 1 {
-            return vec![self.preprocess(images[0], allowed, max_image_pixels)];
-        }
-        images
-            .par_iter()
-            .map(|data| self.preprocess(data, allowed, max_image_pixels))
-            .collect()
+        each_image(images, |data| {
+            self.preprocess(data, allowed, max_image_pixels)
+        })
     }
 }
