@@ -317,3 +317,36 @@ def test_responses_items_stream_as_written(
     if size == 1:
         assert all(deltas[i] > 3 for i in calls)
     assert len({item["id"] for item in built}) == len(built)
+
+
+#: The cases a stream reads as a whole output does (a call whose header went out
+#: before its JSON broke stays a call in a stream: tested above).
+STREAM_AGREES = [case for case in CASES if '"broken"' not in case[0]]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), STREAM_AGREES)
+def test_chat_stream_content_equals_the_message_content(
+    text: str, content: str | None, calls: list[tuple[str, Any]]
+) -> None:
+    """Streamed a character at a time, the content deltas add up to the non-stream
+    message's content (whitespace around calls, such as the newline between two
+    forced calls, is not content), and the calls are the same."""
+    tools = ChatToolStream(PLAN)
+    streamed = ""
+    names: list[str] = []
+    for i, ch in enumerate(text):
+        delta = tools.delta(ch, finished=i == len(text) - 1)
+        streamed += delta.get("content", "")
+        names += [e["function"]["name"] for e in delta.get("tool_calls", []) if "id" in e]
+    assert names == [name for name, _ in calls]
+    assert streamed == (content or "")
+
+
+def test_chat_stream_drops_the_newline_between_forced_calls() -> None:
+    tools = ChatToolStream(ToolPlan(PLAN.tools, "required"))
+    text = WEATHER + "\n" + ADD + "\n"
+    deltas = [
+        tools.delta(text[i : i + 3], finished=i + 3 >= len(text)) for i in range(0, len(text), 3)
+    ]
+    assert all("content" not in d for d in deltas)
+    assert tools.finish_reason("stop") == "tool_calls"

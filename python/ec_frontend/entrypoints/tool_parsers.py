@@ -382,11 +382,30 @@ def chat_message(
 
 
 class ChatToolStream:
-    """One streamed choice's deltas with its tool calls picked out."""
+    """One streamed choice's deltas with its tool calls picked out.
+
+    Whitespace at the end of the text so far is held back until text follows it:
+    the whitespace around calls (``"\n"`` between two forced calls) is not content,
+    as a non-stream message strips it. Once a call was sent, content starting
+    after it has its leading whitespace dropped too; with no call at all, the held
+    whitespace is sent at the end.
+    """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.parser = HermesStream()
+        self._held = ""
+        self._called = False
+        self._texted = False
+
+    def _text(self, text: str) -> str:
+        full = self._held + text
+        body = full.rstrip()
+        self._held = full[len(body) :]
+        if self._called and not self._texted:
+            body = body.lstrip()
+        self._texted = self._texted or bool(body)
+        return body
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
         """The chat ``delta`` for ``text`` (``finished``: flush what is held)."""
@@ -396,8 +415,11 @@ class ChatToolStream:
         out: dict[str, Any] = {}
         for part in parts:
             if "content" in part:
-                out["content"] = out.get("content", "") + part["content"]
+                body = self._text(part["content"])
+                if body:
+                    out["content"] = out.get("content", "") + body
                 continue
+            self._called = True
             calls = out.setdefault("tool_calls", [])
             for entry in part["tool_calls"]:
                 if calls and calls[-1]["index"] == entry["index"]:
@@ -405,6 +427,9 @@ class ChatToolStream:
                     fn["arguments"] += entry["function"]["arguments"]
                 else:
                     calls.append(entry)
+        if finished and not self._called and self._held:
+            out["content"] = out.get("content", "") + self._held
+            self._held = ""
         return out
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
