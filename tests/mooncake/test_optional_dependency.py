@@ -4,8 +4,10 @@ that names the extra to install; the other connectors never import it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from ec_frontend.connectors.base import ECConnectorRole
@@ -44,15 +46,17 @@ def test_side_channels_do_not_import_mooncake() -> None:
 
 
 @pytest.mark.slow
-def test_serve_without_mooncake_stops_with_the_extra_named() -> None:
-    code = (
-        "import sys\n"
-        "sys.modules['mooncake'] = None\n"
-        "from ec_frontend.entrypoints.cli import main\n"
-        f"sys.argv = ['ec-frontend', 'serve', '--port', '1', '--device', 'cpu',"
-        f" '--ec-transfer-config', {json.dumps(json.dumps(EC))}]\n"
-        "sys.exit(main())\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+def test_serve_without_mooncake_stops_with_the_extra_named(tmp_path: Path) -> None:
+    # A package that fails to import shadows the installed one in every process the
+    # server starts (the engine runs in its own process).
+    (tmp_path / "mooncake").mkdir()
+    (tmp_path / "mooncake" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--port", "1",
+           "--device", "cpu", "--ec-transfer-config", json.dumps(EC)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "cannot start" in run.stderr and "ec-frontend[mooncake]" in run.stderr
