@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results" / "bench_engine_proc.json"
 MODES = ("inprocess", "multiprocess")
 CONCURRENCY = (1, 8, 32)
+#: A loaded 2-core host can take minutes to import torch twice and build a model.
+START_TIMEOUT_S = 900
 #: The mid-size config: a Qwen2-VL of ~40M parameters (dummy weights).
 MID_SIZE = {
     "hidden_size": 384,
@@ -110,11 +112,13 @@ class Server:
         cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve"]
         cmd += ["--port", str(self.port), "--log-level", "warning", "--served-model-name", "m"]
         cmd += args
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 300
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd} exited: {self.proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                self.log.seek(0)
+                raise RuntimeError(f"{cmd} exited: {self.log.read().decode()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     break
@@ -137,6 +141,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 def _is_engine(pid: int) -> bool:
@@ -295,12 +300,13 @@ def main() -> None:
                 "--load-format", "dummy",
             ],
         }  # fmt: skip
-        for name in opts.models:
-            report[name] = bench_model(name, [*models[name], *common], opts)
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        runs = [(name, [*models[name], *common], True) for name in opts.models]
         if opts.mock:
-            report["mock"] = bench_model("mock", ["--mock-engine"], opts, image=False)
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(report, indent=2) + "\n")
+            runs.append(("mock", ["--mock-engine"], False))
+        for name, args, image in runs:
+            report[name] = bench_model(name, args, opts, image=image)
+            opts.out.write_text(json.dumps(report, indent=2) + "\n")  # after each model
     print(f"wrote {opts.out}")
 
 
