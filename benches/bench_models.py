@@ -1,8 +1,9 @@
 """Output tokens/s of ec-frontend against ``transformers`` ``generate`` per model family.
 
-For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5) a mid-size random checkpoint is
-written with ``transformers``' own classes (decoder hidden 1024 in 8 layers; the
-vision tower at its real depth, narrowed), then the same workload runs on both:
+For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT) a mid-size
+random checkpoint is written with ``transformers``' own classes (decoder hidden 1024
+in 8 layers; the vision tower at its real depth, narrowed), then the same workload
+runs on both:
 one image plus a short question, ``--max-tokens`` greedy tokens with EOS ignored,
 
 * ec-frontend: ``ec-frontend serve`` on loopback, streaming chat completions,
@@ -43,6 +44,7 @@ from bench_serving import launch_server  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import (  # noqa: E402
     LlavaForConditionalGeneration,
+    LlavaNextForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
@@ -107,6 +109,18 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any], Any, Any]] = {
         },
         LlavaForConditionalGeneration,
         ckpt.load_hf_llava_processor,
+    ),
+    # LLaVA-1.5's tower at 336 px tiles over LLaVA-NeXT's five resolutions.
+    "LLaVA-NeXT": (
+        functools.partial(ckpt.write_llava_next, image_size=336),
+        {
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 4,
+        },
+        LlavaNextForConditionalGeneration,
+        ckpt.load_hf_llava_next_processor,
     ),
 }
 QUESTION = "Describe this picture in detail."
