@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.connectors.halves import ConnectorHalf
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,7 +56,7 @@ class ECConnectorStats:
     load_failures: int = 0
 
 
-class ECConnectorBase(ABC):
+class ECConnectorBase(ConnectorHalf, ABC):
     """Base of all EC connectors.
 
     Producers save the encoder outputs they compute; consumers load encoder
@@ -71,25 +73,6 @@ class ECConnectorBase(ABC):
         self.role = role
         self.stats = ECConnectorStats()
         self._metadata: ECConnectorMetadata | None = None
-
-    @classmethod
-    def create_shared(cls, config: ECTransferConfig) -> Any:
-        """What the scheduler and worker halves of one engine share (a server, a store
-        client, transfers in flight), or ``None``. Called once per engine; the object
-        guards its own fields with its own lock where threads meet."""
-        return None
-
-    def close(self) -> None:
-        """Release sockets, threads and native clients (idempotent; default: nothing)."""
-        return None
-
-    @property
-    def is_producer(self) -> bool:
-        return self.config is not None and self.config.is_producer
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.config is not None and self.config.is_consumer
 
     # ---- scheduler side -------------------------------------------------
 

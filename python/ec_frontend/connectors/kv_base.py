@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.connectors.halves import ConnectorHalf
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,7 +45,7 @@ class KVLoadResult:
     first_token_id: int | None = None
 
 
-class KVConnectorBase(ABC):
+class KVConnectorBase(ConnectorHalf, ABC):
     """Base of all KV connectors.
 
     ``hands_over_sampled_token``: the connector's asynchronous loads cover the
@@ -56,26 +58,6 @@ class KVConnectorBase(ABC):
         self.config = config
         self.role = role
         self._metadata: KVConnectorMetadata | None = None
-
-    @classmethod
-    def create_shared(cls, config: KVTransferConfig) -> Any:
-        """What the scheduler and worker halves of one engine share (held KV, transfers
-        in flight, a server or transfer engine), or ``None``. The factory
-        (:func:`~ec_frontend.connectors.factory.create_kv_connectors`) calls it once per
-        engine and passes the result to both halves; a half created alone gets its own."""
-        return None
-
-    def close(self) -> None:
-        """Release sockets, threads and native clients (idempotent; default: nothing)."""
-        return None
-
-    @property
-    def is_producer(self) -> bool:
-        return self.config is not None and self.config.is_producer
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.config is not None and self.config.is_consumer
 
     # ---- scheduler side -------------------------------------------------
 
