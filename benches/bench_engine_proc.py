@@ -58,6 +58,7 @@ MID_SIZE = {
     "num_hidden_layers": 6,
     "num_attention_heads": 6,
     "num_key_value_heads": 2,
+    "rope_scaling": {"mrope_section": [8, 12, 12], "type": "mrope"},  # head_dim 64
     "vision": {"depth": 4, "embed_dim": 128, "hidden_size": 384, "num_heads": 4},
 }
 
