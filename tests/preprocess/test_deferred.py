@@ -35,6 +35,7 @@ class Media:
 def processor(builtin_model_dir: Path) -> InputProcessor:
     proc = load_processor(builtin_model_dir)
     assert proc.native is not None
+    proc.configure_media()
     return proc
 
 
@@ -46,6 +47,14 @@ def chat(proc: InputProcessor, data: bytes, **kwargs: Any) -> ProcessedInputs:
 
 def image(seed: int) -> bytes:
     return encode(Image.fromarray(pixels(120, 170, 3, seed=seed)), "JPEG", quality=90)
+
+
+def test_direct_callers_always_get_pixels(builtin_model_dir: Path) -> None:
+    proc = load_processor(builtin_model_dir)
+    data = image(8)
+    for _ in range(2):
+        (feature,) = chat(proc, data).mm_features
+        assert feature.pixel_values is not None and feature.deferred is None
 
 
 def test_known_bytes_are_deferred_with_the_same_placeholders(processor: InputProcessor) -> None:

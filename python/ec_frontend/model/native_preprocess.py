@@ -1,9 +1,10 @@
 """Image bytes -> ``pixel_values`` in the Rust core (``ec_frontend._core``), off the GIL.
 
 :func:`native_preprocessor_for` looks at a checkpoint's transformers image processor
-and returns a :class:`NativeImagePreprocessor` when the native rule reproduces it
-(Qwen2-VL's image processor and its subclasses with bicubic or bilinear resampling
-and the usual rescale / normalize / RGB steps), else ``None``; the caller then keeps
+and returns a :class:`NativeImagePreprocessor` when a native rule reproduces it
+(Qwen2-VL's image processor and its subclasses; CLIP's, as LLaVA-1.5 uses it, with
+a centre crop no larger than the resized image; bicubic or bilinear resampling and
+the usual rescale / normalize / RGB steps), else ``None``; the caller then keeps
 transformers' processor. The native path decodes with the decoders Pillow uses (or
 bit-identical ones), resamples as Pillow does and patchifies in transformers' layout:
 its output equals transformers' PIL backend (``tests/preprocess``).
@@ -73,6 +74,7 @@ _QWEN_VL_CLASSES = (
     "Qwen2VLImageProcessorPil",
     "Qwen2VLImageProcessorFast",
 )
+_CLIP_CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast")
 
 
 #: Images (content digest and pixel range) remembered as decoded, per preprocessor.
@@ -80,14 +82,20 @@ KNOWN_IMAGES = 4096
 
 
 class NativeImagePreprocessor:
-    """The Qwen2-VL image rule with one checkpoint's values, in the Rust core."""
+    """One checkpoint's image rule (``spec["rule"]``: ``"qwen_vl"`` or ``"clip"``) in the
+    Rust core."""
 
-    def __init__(self, spec: dict[str, Any], merge_size: int) -> None:
-        #: ``QwenVlPreprocessor`` keyword arguments (plain values: they travel with
-        #: deferred images to the engine, maybe in another process).
+    def __init__(self, spec: dict[str, Any]) -> None:
+        #: The rule's name, the native class's keyword arguments and, for CLIP, the
+        #: vision patch size (``grid_patch``); plain values, as they travel with
+        #: deferred images to the engine, maybe in another process.
         self.spec = spec
-        self._inner = _core.QwenVlPreprocessor(**spec)
-        self.merge_size = merge_size
+        self.rule = spec["rule"]
+        kwargs = {k: v for k, v in spec.items() if k not in ("rule", "grid_patch")}
+        if self.rule == "clip":
+            self._inner = _core.ClipPreprocessor(**kwargs)
+        else:
+            self._inner = _core.QwenVlPreprocessor(**kwargs)
         self._known: OrderedDict[tuple[bytes, tuple[int, int] | None], tuple[int, int, int]]
         self._known = OrderedDict()
         self._known_lock = threading.Lock()
@@ -108,6 +116,11 @@ class NativeImagePreprocessor:
         spec = dict(self.spec, **_pixels(size))
         return data, tuple(sorted((k, _plain(v)) for k, v in spec.items()))
 
+    def covers(self, size: dict[str, int] | None) -> bool:
+        """Whether the native rule serves a request with this processor ``size`` (CLIP:
+        only the checkpoint's own)."""
+        return size is None or self.rule == "qwen_vl"
+
     def _remember(self, images: Sequence[bytes], size: dict[str, int] | None, grids: Any) -> None:
         with self._known_lock:
             for data, grid in zip(images, grids, strict=True):
@@ -119,6 +132,9 @@ class NativeImagePreprocessor:
         self, width: int, height: int, *, size: dict[str, int] | None = None, index: int = 0
     ) -> tuple[int, int, int]:
         """``(t, h, w)`` of a ``width`` x ``height`` image from its size alone."""
+        if self.rule == "clip":
+            patch = self.spec["grid_patch"]
+            return 1, self.spec["crop_height"] // patch, self.spec["crop_width"] // patch
         try:
             return self._inner.grid(width, height, **_pixels(size))
         except _core.ImageError as exc:
@@ -137,7 +153,11 @@ class NativeImagePreprocessor:
         if not images:
             return []
         try:
-            out = self._inner.preprocess(list(images), **_pixels(size))
+            if self.rule == "clip":
+                grid = self.grid(0, 0)
+                out = [(buf, shape, grid) for buf, shape in self._inner.preprocess(list(images))]
+            else:
+                out = self._inner.preprocess(list(images), **_pixels(size))
         except _core.ImageError as exc:
             raise _input_error(exc, indices[exc.index]) from exc
         count_preprocessed(len(out))
@@ -161,8 +181,8 @@ def _plain(value: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _rule(spec: tuple[tuple[str, Any], ...]) -> Any:
-    return _core.QwenVlPreprocessor(**{k: list(v) if isinstance(v, tuple) else v for k, v in spec})
+def _rule(spec: tuple[tuple[str, Any], ...]) -> NativeImagePreprocessor:
+    return NativeImagePreprocessor({k: list(v) if isinstance(v, tuple) else v for k, v in spec})
 
 
 def decode_deferred(feature: Any) -> bool:
@@ -175,8 +195,8 @@ def decode_deferred(feature: Any) -> bool:
     data, spec = deferred
     try:
         rule = _rule(tuple((k, _plain(v)) for k, v in spec))
-        ((buf, shape, grid),) = rule.preprocess([data])
-    except (ValueError, TypeError, MemoryError) as exc:
+        ((grid, pixels),) = rule.preprocess([data], [0])
+    except (InputError, ValueError, TypeError, KeyError, MemoryError) as exc:
         logger.warning("deferred image %s could not be decoded: %s", feature.mm_hash, exc)
         return False
     if tuple(grid) != tuple(feature.image_grid_thw):
@@ -187,8 +207,7 @@ def decode_deferred(feature: Any) -> bool:
             tuple(feature.image_grid_thw),
         )
         return False
-    count_preprocessed()
-    feature.pixel_values = _tensor(buf, shape)
+    feature.pixel_values = pixels
     feature.deferred = None
     return True
 
@@ -209,62 +228,93 @@ def native_preprocessor_for(
     formats: Sequence[str] | None = None,
     max_image_pixels: int = 64_000_000,
     log: bool = True,
+    patch_size: int | None = None,
 ) -> NativeImagePreprocessor | None:
     """The native equivalent of ``image_processor``, or ``None`` when its class or
-    settings are not covered; ``log`` says at INFO which path is used and why."""
+    settings are not covered; ``log`` says at INFO which path is used and why.
+    ``patch_size`` (the vision tower's) sizes a CLIP image's grid."""
     name = type(image_processor).__name__
-    reason = _unsupported(image_processor, name)
+    rule, reason = _rule_of(image_processor, name, patch_size)
     if reason is None and os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         reason = f"disabled by {DISABLE_ENV}"
     if reason is not None:
         if log:
             logger.info("image preprocessing: transformers %s (native path: %s)", name, reason)
         return None
-    size = image_processor.size
+    ip = image_processor
+    size = ip.size
     try:
-        spec = {
-            "min_pixels": int(size["shortest_edge"]),
-            "max_pixels": int(size["longest_edge"]),
-            "patch_size": int(image_processor.patch_size),
-            "merge_size": int(image_processor.merge_size),
-            "temporal_patch_size": int(image_processor.temporal_patch_size),
-            "rescale_factor": float(image_processor.rescale_factor),
-            "image_mean": [float(v) for v in image_processor.image_mean],
-            "image_std": [float(v) for v in image_processor.image_std],
-            "resample": int(image_processor.resample),
+        spec: dict[str, Any] = {
+            "rule": rule,
+            "rescale_factor": float(ip.rescale_factor),
+            "image_mean": [float(v) for v in ip.image_mean],
+            "image_std": [float(v) for v in ip.image_std],
+            "resample": int(ip.resample),
             "formats": list(formats) if formats is not None else None,
             "max_image_pixels": max_image_pixels,
         }
-        native = NativeImagePreprocessor(spec, int(image_processor.merge_size))
+        if rule == "clip":
+            spec.update(
+                shortest_edge=int(size["shortest_edge"]),
+                crop_height=int(ip.crop_size["height"]),
+                crop_width=int(ip.crop_size["width"]),
+                grid_patch=int(patch_size or 0),
+            )
+        else:
+            spec.update(
+                min_pixels=int(size["shortest_edge"]),
+                max_pixels=int(size["longest_edge"]),
+                patch_size=int(ip.patch_size),
+                merge_size=int(ip.merge_size),
+                temporal_patch_size=int(ip.temporal_patch_size),
+            )
+        native = NativeImagePreprocessor(spec)
     except (ValueError, TypeError, KeyError) as exc:
         if log:
             logger.info("image preprocessing: transformers %s (native path: %s)", name, exc)
         return None
     if log:
-        logger.info("image preprocessing: native (Rust) Qwen2-VL rule for %s", name)
+        rule_name = "CLIP" if rule == "clip" else "Qwen2-VL"
+        logger.info("image preprocessing: native (Rust) %s rule for %s", rule_name, name)
     return native
 
 
-def _unsupported(ip: Any, name: str) -> str | None:
-    if not any(c.__name__ in _QWEN_VL_CLASSES for c in type(ip).__mro__):
-        return f"no native rule for {name}"
-    checks = (
+def _rule_of(ip: Any, name: str, patch_size: int | None) -> tuple[str, str | None]:
+    """The native rule for ``ip`` and ``None``, or a reason it has none."""
+    classes = {c.__name__ for c in type(ip).__mro__}
+    if classes & set(_QWEN_VL_CLASSES):
+        rule = "qwen_vl"
+    elif classes & set(_CLIP_CLASSES):
+        rule = "clip"
+    else:
+        return "", f"no native rule for {name}"
+    checks = [
         ("do_resize", True),
         ("do_rescale", True),
         ("do_normalize", True),
         ("do_convert_rgb", True),
-    )
+        ("do_center_crop", rule == "clip"),
+        ("do_pad", False),
+    ]
     for attr, want in checks:
         if bool(getattr(ip, attr, want)) != want:
-            return f"{attr} is {getattr(ip, attr)!r}"
+            return rule, f"{attr} is {getattr(ip, attr)!r}"
     size = getattr(ip, "size", None) or {}
-    if not size.get("shortest_edge") or not size.get("longest_edge"):
-        return "size has no shortest_edge / longest_edge"
+    if rule == "qwen_vl" and (not size.get("shortest_edge") or not size.get("longest_edge")):
+        return rule, "size has no shortest_edge / longest_edge"
+    if rule == "clip":
+        crop = getattr(ip, "crop_size", None) or {}
+        if not size.get("shortest_edge") or size.get("longest_edge") or size.get("height"):
+            return rule, "size is not a shortest_edge alone"
+        if not crop.get("height") or not crop.get("width"):
+            return rule, "crop_size has no height / width"
+        if not patch_size or crop["height"] % patch_size or crop["width"] % patch_size:
+            return rule, f"the crop is not a whole number of patches of {patch_size}"
     if int(getattr(ip, "resample", 3)) not in (2, 3):
-        return f"resample {ip.resample} (native: bilinear, bicubic)"
+        return rule, f"resample {ip.resample} (native: bilinear, bicubic)"
     mean, std = getattr(ip, "image_mean", None), getattr(ip, "image_std", None)
     if not isinstance(mean, list | tuple) or not isinstance(std, list | tuple):
-        return "image_mean / image_std are not per-channel lists"
+        return rule, "image_mean / image_std are not per-channel lists"
     if len(mean) != 3 or len(std) != 3:
-        return "image_mean / image_std do not have 3 channels"
-    return None
+        return rule, "image_mean / image_std do not have 3 channels"
+    return rule, None

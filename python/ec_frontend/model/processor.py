@@ -140,7 +140,12 @@ class InputProcessor:
         #: ``mm_processor_kwargs`` pixel values a request may ask for (the checkpoint's range).
         self.processor_pixel_range = (min_pixels, max_pixels)
         #: The Rust image rule equal to ``image_processor``; ``None``: transformers' path.
-        self.native = native_preprocessor_for(image_processor, max_image_pixels=max_image_pixels)
+        self.native = native_preprocessor_for(
+            image_processor, max_image_pixels=max_image_pixels, patch_size=patch_size
+        )
+        #: Whether bytes the native path decoded before are deferred, not decoded again
+        #: (a server's processor: :meth:`configure_media`; direct callers get pixels).
+        self.defer_known_images = False
         # Hugging Face tokenizers are not safe to call from several threads at once.
         self._lock = threading.Lock()
 
@@ -150,10 +155,13 @@ class InputProcessor:
         max_image_pixels: int | None = None,
         formats: Sequence[str] | None = None,
         max_processor_pixels: int | None = None,
+        defer_known_images: bool = True,
     ) -> None:
         """Server limits: pixels per decoded image, the decoders a request may reach,
         and the largest ``mm_processor_kwargs`` pixel count (default: the checkpoint's
-        ``max_pixels``)."""
+        ``max_pixels``); whether images decoded before are deferred (their encoder
+        output is most likely cached)."""
+        self.defer_known_images = defer_known_images
         if max_image_pixels is not None:
             self.max_image_pixels = max_image_pixels
         if formats is not None:
@@ -164,6 +172,7 @@ class InputProcessor:
                 formats=self.image_formats,
                 max_image_pixels=self.max_image_pixels,
                 log=False,
+                patch_size=self.patch_size,
             )
         if max_processor_pixels is not None:
             low, _ = self.processor_pixel_range
@@ -381,10 +390,18 @@ class InputProcessor:
         (images it decoded before are deferred, not decoded), else one by one through
         transformers' processor."""
         inline = [i for i in order if getattr(media[i], "image_grid_thw", None) is None]
-        if self.native is None or not inline or any(media[i].data is None for i in inline):
-            return [(*self._image(media[i], i, size), None) for i in order]
         native = self.native
-        known = {i: native.known(media[i].data, size) for i in inline}
+        if (
+            native is None
+            or not native.covers(size)
+            or not inline
+            or any(media[i].data is None for i in inline)
+        ):
+            return [(*self._image(media[i], i, size), None) for i in order]
+        known = {
+            i: native.known(media[i].data, size) if self.defer_known_images else None
+            for i in inline
+        }
         decode = [i for i in inline if known[i] is None]
         done = native.preprocess([media[i].data for i in decode], decode, size=size)
         ready: dict[int, tuple[tuple[int, int, int], torch.Tensor | None, Any]] = {
