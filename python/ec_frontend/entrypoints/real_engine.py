@@ -194,7 +194,17 @@ def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
     threads = cpu_threads(opts, builtin=config.model_id == _builtin_id())
     log.info("loading %s (%s, %s)", path, config.device or "auto device", config.dtype)
     if opts.engine_mode == "multiprocess":
+        import torch
+
         from ec_frontend.engine.mp_client import MPEngineClient
+
+        # The server's own torch work (image processing) runs on a pool of threads;
+        # intra-op threads there would spin against the engine's on the same cores.
+        torch.set_num_threads(1)
+        if threads is None:
+            # A CPU engine leaves one core to the server process: intra-op threads
+            # on every core stall behind it (5x slower steps measured on 2 cores).
+            threads = max(1, len(os.sched_getaffinity(0)) - 1)
 
         level = log.getEffectiveLevel()
         engine = MPEngineClient.start(config, cpu_threads=threads, log_level=level)
