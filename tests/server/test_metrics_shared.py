@@ -93,9 +93,14 @@ def sharing(tmp_path: Path) -> Iterator[Path]:
         shared.close()
 
 
-def test_snapshot_renders_like_the_local_values(sharing: Path) -> None:
+def test_snapshot_renders_like_the_local_values(
+    sharing: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A process alone in its group renders the same text from the shared file as
-    from memory, and :func:`render` reads the file."""
+    from memory, and :func:`render` reads the file. The process-wide image counter
+    starts empty here: earlier tests in this process counted images before any
+    sharing began, which the shared file never saw."""
+    monkeypatch.setattr(metrics.IMAGES_PREPROCESSED, "values", {})
     server = ServerMetrics()
     for v in [0.0, 0.01, 0.05, 0.5, 3.0, 1e-6, 0.1, 7.5, 100.0]:
         server.ttft.observe(v)
