@@ -10,6 +10,7 @@ the checkpoint directory has the files of a Hub checkpoint.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 from collections.abc import Callable
@@ -31,11 +32,16 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     LlavaNextImageProcessor,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessorPil,
+    LlavaOnevisionProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
@@ -43,6 +49,7 @@ from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
+    SiglipVisionConfig,
 )
 
 SEED = 1234
@@ -352,22 +359,28 @@ def _write_llava_like(
     vision: dict[str, Any],
     image_size: int,
     extra: dict[str, Any],
+    text_class: type = LlamaConfig,
+    vision_config: Any = None,
+    make_processor: Callable[[Any, Any], Any] | None = None,
 ) -> Path:
+    """``vision_config`` defaults to a CLIP tower of ``vision``; ``make_processor``
+    (image processor, tokenizer) -> processor, to :func:`llava_processor`."""
     tok = tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = LLAVA_TEMPLATE
     ids = special_ids(tok)
     image_id = tok.convert_tokens_to_ids("<image>")
     vocab = builtin._round_up(len(tok), 64)
-    text_config = LlamaConfig(
+    text_config = text_class(
         vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-6,
         initializer_range=INITIALIZER_RANGE, bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], **text,
     )  # fmt: skip
-    vision_config = CLIPVisionConfig(
-        image_size=image_size, patch_size=14, projection_dim=32,
-        initializer_range=INITIALIZER_RANGE, **vision,
-    )  # fmt: skip
+    if vision_config is None:
+        vision_config = CLIPVisionConfig(
+            image_size=image_size, patch_size=14, projection_dim=32,
+            initializer_range=INITIALIZER_RANGE, **vision,
+        )  # fmt: skip
     config = config_class(
         text_config=text_config,
         vision_config=vision_config,
@@ -381,7 +394,10 @@ def _write_llava_like(
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(directory)
-    processor = llava_processor(processor_class, image_processor, tok)
+    if make_processor is None:
+        processor = llava_processor(processor_class, image_processor, tok)
+    else:
+        processor = make_processor(image_processor, tok)
     save_processor(processor, directory, processor_class.__name__)
     return directory
 
@@ -426,6 +442,89 @@ def load_hf_llava_processor(directory: Path) -> LlavaProcessor:
         CLIPImageProcessor.from_pretrained(directory),
         PreTrainedTokenizerFast.from_pretrained(directory),
     )
+
+
+def llava_onevision_pinpoints(tile: int) -> list[list[int]]:
+    """LLaVA-OneVision's resolutions (``[[384, 384], ..., [2304, 2304]]``: 1 to 6 tiles
+    a side) for tiles of ``tile`` pixels."""
+    return [[tile * h, tile * w] for h in range(1, 7) for w in range(1, 7)]
+
+
+TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+               "num_attention_heads": 2}  # fmt: skip
+
+
+def write_llava_onevision(
+    directory: Path,
+    text: dict[str, Any] = TINY_TEXT,
+    vision: dict[str, Any] = TINY_SIGLIP,
+    image_size: int = LLAVA_IMAGE_SIZE,
+) -> Path:
+    """A LLaVA-OneVision checkpoint: a Qwen2 decoder (q/k/v biases), a SigLIP tower
+    (no CLS, all its tokens kept: the ``full`` strategy) on tiles of 56 px (4x4
+    features), anyres over 1 to 6 tiles a side with ``anyres_max_9`` pooling."""
+    vision_config = SiglipVisionConfig(
+        image_size=image_size, patch_size=14, vision_use_head=False, **vision
+    )
+    return _write_llava_like(
+        directory,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionProcessor,
+        llava_onevision_image_processor(image_size),
+        text=text,
+        vision=vision,
+        image_size=image_size,
+        extra={
+            "image_grid_pinpoints": llava_onevision_pinpoints(image_size),
+            "vision_feature_select_strategy": "full",
+            "vision_feature_layer": -1,
+            "vision_aspect_ratio": "anyres_max_9",
+        },
+        text_class=Qwen2Config,
+        vision_config=vision_config,
+        make_processor=functools.partial(llava_onevision_processor, tokens=(image_size // 14) ** 2),
+    )
+
+
+def llava_onevision_image_processor(image_size: int = LLAVA_IMAGE_SIZE) -> Any:
+    return LlavaOnevisionImageProcessorPil(
+        size={"height": image_size, "width": image_size},
+        image_grid_pinpoints=llava_onevision_pinpoints(image_size),
+    )
+
+
+class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
+    """LLaVA-OneVision's processor without its video processor (as the Qwen ones)."""
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+
+def llava_onevision_processor(image_processor: Any, tok: Any, *, tokens: int) -> Any:
+    return ImageOnlyLlavaOnevisionProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        num_image_tokens=tokens,
+        vision_feature_select_strategy="full",
+        chat_template=LLAVA_TEMPLATE,
+        image_token="<image>",
+        vision_aspect_ratio="anyres_max_9",
+    )
+
+
+def load_hf_llava_onevision_processor(directory: Path) -> Any:
+    image_processor = LlavaOnevisionImageProcessorPil.from_pretrained(directory)
+    tokens = (image_processor.size["height"] // 14) ** 2
+    return llava_onevision_processor(
+        image_processor, PreTrainedTokenizerFast.from_pretrained(directory), tokens=tokens
+    )
+
+
+@pytest.fixture(scope="session")
+def llava_onevision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
 
 
 @pytest.fixture(scope="session")

@@ -155,7 +155,7 @@ def _edit_config(directory: Path, **changes: object) -> None:
             lambda d: _edit_config(d, model_type="gemma3", architectures=["Gemma3ForCausalLM"]),
             "unsupported model_type 'gemma3' (architectures ['Gemma3ForCausalLM']); "
             "supported: qwen2_vl (Qwen2-VL), qwen2_5_vl (Qwen2.5-VL), llava (LLaVA-1.5), "
-            "qwen3_vl (Qwen3-VL), llava_next (LLaVA-NeXT)",
+            "qwen3_vl (Qwen3-VL), llava_next (LLaVA-NeXT), llava_onevision (LLaVA-OneVision)",
         ),
         (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer"),
         (lambda d: (d / "preprocessor_config.json").unlink(), "has no image processor config"),

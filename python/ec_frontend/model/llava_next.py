@@ -33,9 +33,17 @@ def _pinpoints(config: Any) -> list[tuple[int, int]]:
 def anyres_image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
     """Placeholder tokens of an image of ``grid_thw = (1, height, width)`` pixels: the
     base tile, the unpadded tile map and one newline per row of it."""
+    _, height, width = grid_thw
+    n = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
+    rows, cols = unpadded_feature_map(config, height, width)
+    return n * n + rows * cols + rows
+
+
+def unpadded_feature_map(config: Any, height: int, width: int) -> tuple[int, int]:
+    """``(rows, cols)`` of the tiles' feature map of an image of this size once its
+    padding is cut off (``unpad_image``)."""
     from transformers.image_processing_utils import select_best_resolution
 
-    _, height, width = grid_thw
     size = int(config.vision_config.image_size)
     n = size // int(config.vision_config.patch_size)
     best_h, best_w = select_best_resolution((height, width), _pinpoints(config))
@@ -46,7 +54,7 @@ def anyres_image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
     else:
         kept = int(round(width * (rows / height), 7))
         cols -= (cols - kept) // 2 * 2
-    return n * n + rows * cols + rows
+    return rows, cols
 
 
 class LlavaNextVisionTower(LlavaVisionTower):
@@ -90,10 +98,15 @@ class LlavaNextVisionTower(LlavaVisionTower):
         rows, cols = get_anyres_image_grid_shape(list(size), self.pinpoints, self.tile_size)
         dim = features.shape[-1]
         grid = features[1:].view(rows, cols, n, n, dim).permute(4, 0, 2, 1, 3)
-        grid = unpad_image(grid.flatten(1, 2).flatten(2, 3), list(size))
+        grid = self._pool(unpad_image(grid.flatten(1, 2).flatten(2, 3), list(size)))
         newline = self.image_newline.to(grid.dtype)[:, None, None].expand(dim, grid.shape[1], 1)
         grid = torch.cat((grid, newline), dim=-1)
         return torch.cat((features[0], grid.flatten(1, 2).transpose(0, 1)))
+
+    def _pool(self, grid: torch.Tensor) -> torch.Tensor:
+        """The unpadded feature map ``[dim, rows, cols]`` as the decoder takes it (here:
+        as it is; LLaVA-OneVision shrinks a large one)."""
+        return grid
 
 
 class LlavaNextModel(Qwen2VLModel):

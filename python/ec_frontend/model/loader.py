@@ -253,7 +253,8 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
             "processor_config.json with an image_processor entry)"
         )
     try:
-        return InputProcessor.from_pretrained(
+        processor_class: type[InputProcessor] = family.processor_type()
+        return processor_class.from_pretrained(
             directory,
             config,
             model_id=model_id,

@@ -499,6 +499,9 @@ def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:
     crop = getattr(image_processor, "crop_size", None)
     crop_hw = [crop.get(k) if isinstance(crop, Mapping) else getattr(crop, k, None)
                for k in ("height", "width")]  # fmt: skip
+    if not high and not all(crop_hw) and "height" in size:
+        # A tiling processor (anyres without a crop): tiles of a fixed size.
+        crop_hw = [size.get("height"), size.get("width")]
     if not high and all(crop_hw):
         # A fixed-size processor (resize and center crop): one pixel count.
         area = int(crop_hw[0]) * int(crop_hw[1])

@@ -46,6 +46,7 @@ FAMILIES: Mapping[str, str] = {
     "llava": "ec_frontend.model.llava",
     "qwen3_vl": "ec_frontend.model.qwen3_vl",
     "llava_next": "ec_frontend.model.llava_next",
+    "llava_onevision": "ec_frontend.model.llava_onevision",
 }
 
 
@@ -96,6 +97,8 @@ class ModelFamily:
     ``"module:Class"`` of the paged decoder, built from what ``text_config`` returns
     (default: the Qwen2 decoder). ``image_tokens`` counts an image's placeholder
     tokens from its grid where that is not ``t * h * w / merge**2`` (anyres tiling).
+    ``input_processor`` is ``"module:Class"`` of the input processor, for a family whose
+    images depend on their prompt (LLaVA-OneVision).
     """
 
     name: str
@@ -110,6 +113,7 @@ class ModelFamily:
     merge_size: Callable[[PretrainedConfig], int] | None = None
     language_model: str = "ec_frontend.model.qwen2_text:Qwen2TextModel"
     image_tokens: Callable[[PretrainedConfig, tuple[int, int, int]], int] | None = None
+    input_processor: str = "ec_frontend.model.processor:InputProcessor"
 
     def build_vision(self, config: PretrainedConfig) -> nn.Module:
         """The vision part, built from the checkpoint config (float32 buffers)."""
@@ -125,6 +129,10 @@ class ModelFamily:
 
     def model_type(self) -> type:
         return _import(self.model_class)
+
+    def processor_type(self) -> type:
+        """The :class:`~ec_frontend.model.processor.InputProcessor` class of the family."""
+        return _import(self.input_processor)
 
     def spatial_merge_size(self, config: PretrainedConfig) -> int:
         if self.merge_size is not None:

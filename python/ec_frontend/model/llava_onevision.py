@@ -1,0 +1,285 @@
+"""LLaVA-OneVision: a SigLIP tower and the LLaVA projector over anyres tiles, a Qwen2
+decoder on the paged KV cache (q/k/v biases, 1-D RoPE).
+
+How an image is encoded depends on its prompt, as in ``transformers``
+(``batch_num_images``):
+
+* **alone** in its prompt, it is tiled as LLaVA-NeXT tiles (base tile, then the
+  tiles of the best of ``image_grid_pinpoints``, their feature map unpadded); a
+  map larger than ``anyres_max_N`` tiles (``vision_aspect_ratio``) is shrunk
+  bilinearly by ``ratio = sqrt(rows * cols / (N * n * n))`` when ``ratio > 1.1``;
+  then ``image_newline`` closes each row. Its grid is ``(1, height, width)`` in
+  pixels (the original size: the placeholder count follows from it);
+* **one of several** images of a prompt, it is padded to a square (with the mean
+  colour), resized to one tile, and gives that tile's ``n * n`` features and one
+  ``image_newline``. Its grid is ``(2, height, width)``: ``2`` marks this mode.
+
+The two encodings of the same picture are different encoder outputs, so they must
+be different items everywhere an item is keyed by ``mm_hash`` (the encoder cache,
+the EC connectors, ``ec_transfer_params``, prefix-cache keys): the input processor
+folds the mode into the ``mm_hash`` of an image that is one of several
+(:func:`several_images_hash`). Every instance decides the mode from its own
+request: an image part of a chat with more than one image part is one of several.
+The proxy sends an encoder such an item twice in one chat (the same ``uuid``, one
+encoding), so the encoder picks the mode prefill and decode will pick, and
+prefill and decode check the mode an ``image_embeds`` reference's grid carries
+against their prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ec_frontend.model.errors import InputError, ModelLoadError
+from ec_frontend.model.llava import LlavaVisionTower
+from ec_frontend.model.llava_next import FAMILY as LLAVA_NEXT
+from ec_frontend.model.llava_next import LlavaNextVisionTower, unpadded_feature_map
+from ec_frontend.model.media import decode_image
+from ec_frontend.model.native_preprocess import count_preprocessed
+from ec_frontend.model.processor import InputProcessor, MediaLike
+from ec_frontend.model.qwen2_text import TextModelConfig, decoder_config
+from ec_frontend.model.qwen2_vl import Qwen2VLModel
+from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+#: The grid's first entry of an image encoded alone (anyres tiles).
+ALONE = 1
+#: The grid's first entry of an image that is one of several in its prompt (one tile).
+ONE_OF_SEVERAL = 2
+
+
+def several_images_hash(mm_hash: str) -> str:
+    """The item key of an image encoded as one of several (the alone encoding keeps
+    the image's own ``mm_hash``). Lower-case hex, as every ``mm_hash``."""
+    return hashlib.sha256(b"llava_onevision/one-of-several/" + mm_hash.encode()).hexdigest()
+
+
+def max_tiles(config: Any) -> int:
+    """``N`` of ``vision_aspect_ratio = "anyres_max_N"``."""
+    value = str(config.vision_aspect_ratio)
+    digits = value.removeprefix("anyres_max_")
+    if digits == value or not digits.isdigit() or int(digits) <= 0:
+        raise ModelLoadError(
+            f"LLaVA-OneVision: unsupported vision_aspect_ratio {value!r} (expected anyres_max_N)"
+        )
+    return int(digits)
+
+
+def _pooled(rows: int, cols: int, n: int, most: int) -> tuple[int, int]:
+    """The feature map's shape after the ``anyres_max`` shrink (unchanged when small)."""
+    ratio = math.sqrt(rows * cols / (most * n * n))
+    if ratio > 1.1:
+        return int(rows // ratio), int(cols // ratio)
+    return rows, cols
+
+
+def image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
+    """Placeholder tokens (= encoder output rows) of an image of grid ``(mode, height,
+    width)``; :class:`InputError` for a mode that is neither."""
+    mode, height, width = grid_thw
+    n = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
+    if mode == ONE_OF_SEVERAL:
+        return n * n + 1
+    if mode != ALONE:
+        raise InputError(
+            f"grid {list(grid_thw)}: a LLaVA-OneVision image grid starts with {ALONE} (an "
+            f"image alone in its prompt) or {ONE_OF_SEVERAL} (one of several)",
+            code="invalid_features",
+        )
+    rows, cols = _pooled(*unpadded_feature_map(config, height, width), n, max_tiles(config))
+    return n * n + rows * cols + rows
+
+
+def qwen2_text_config(config: Any) -> TextModelConfig:
+    """The Qwen2 decoder of a LLaVA-OneVision config (q/k/v biases, 1-D RoPE)."""
+    text = config.text_config
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ModelLoadError(
+            f"LLaVA-OneVision: rope_type {rope.get('rope_type')!r} is not supported"
+        )
+    if getattr(text, "use_sliding_window", False):
+        raise ModelLoadError("LLaVA-OneVision: sliding-window attention is not supported")
+    head_dim = text.hidden_size // text.num_attention_heads
+    if getattr(text, "head_dim", head_dim) not in (None, head_dim):
+        raise ModelLoadError(
+            "LLaVA-OneVision: head_dim other than hidden_size / heads is not supported"
+        )
+    return decoder_config(
+        config,
+        rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
+        mrope_section=(head_dim // 2, 0, 0),
+        attention_bias=True,
+    )
+
+
+class LlavaOnevisionVisionTower(LlavaNextVisionTower):
+    """SigLIP + projector per tile (all tokens: the ``full`` strategy), then per image
+    the anyres layout with the ``anyres_max`` shrink, or one tile and one newline.
+    ``forward(tiles, sizes, tiles per image, modes)`` gives one ``[tokens, hidden]``
+    tensor per image."""
+
+    def __init__(self, config: Any) -> None:
+        if config.vision_feature_select_strategy != "full":
+            raise ModelLoadError(
+                "LLaVA-OneVision: only the 'full' vision_feature_select_strategy is supported"
+            )
+        LlavaVisionTower.__init__(self, config)
+        self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size))
+        self.tile_size = int(config.vision_config.image_size)
+        self.tokens_per_side = self.tile_size // int(config.vision_config.patch_size)
+        self.pinpoints = [(int(h), int(w)) for h, w in config.image_grid_pinpoints]
+        self.max_tiles = max_tiles(config)
+
+    def forward(  # type: ignore[override]
+        self,
+        pixel_values: torch.Tensor,
+        sizes: list[tuple[int, int]],
+        tiles: list[int],
+        modes: list[int],
+    ) -> list[torch.Tensor]:
+        features = LlavaVisionTower.forward(self, pixel_values)
+        out = []
+        for f, size, mode in zip(torch.split(features, tiles), sizes, modes, strict=True):
+            if mode == ONE_OF_SEVERAL:
+                out.append(torch.cat((f[0], self.image_newline[None].to(f.dtype))))
+            else:
+                out.append(self._pack(f, size))
+        return out
+
+    def _pool(self, grid: torch.Tensor) -> torch.Tensor:
+        _, rows, cols = grid.shape
+        pooled = _pooled(rows, cols, self.tokens_per_side, self.max_tiles)
+        if pooled == (rows, cols):
+            return grid
+        return nn.functional.interpolate(grid[None], list(pooled), mode="bilinear")[0]
+
+
+class LlavaOnevisionModel(Qwen2VLModel):
+    """A loaded LLaVA-OneVision checkpoint; image grids are ``(mode, height, width)``."""
+
+    @torch.no_grad()
+    def encode_images(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> list[torch.Tensor]:
+        vision: LlavaOnevisionVisionTower = self._vision()  # type: ignore[assignment]
+        grid = image_grid_thw.to(dtype=torch.int64, device="cpu")
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or bool((grid <= 0).any()):
+            raise ValueError(f"image_grid_thw must be [num_images, 3] of positive ints, got {grid}")
+        modes = [int(m) for m in grid[:, 0]]
+        if any(m not in (ALONE, ONE_OF_SEVERAL) for m in modes):
+            raise ValueError(f"image grids start with {ALONE} or {ONE_OF_SEVERAL}, got {grid}")
+        sizes = [(int(h), int(w)) for _, h, w in grid.tolist()]
+        tiles = [
+            1 if mode == ONE_OF_SEVERAL else vision.num_tiles(h, w)
+            for mode, (h, w) in zip(modes, sizes, strict=True)
+        ]
+        if pixel_values.ndim != 4 or pixel_values.shape[0] != sum(tiles):
+            raise ValueError(
+                f"pixel_values has shape {tuple(pixel_values.shape)}; the images' grids make "
+                f"{sum(tiles)} tiles"
+            )
+        return vision(pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles, modes)
+
+
+class LlavaOnevisionInputProcessor(InputProcessor):
+    """The input processor with LLaVA-OneVision's two image modes: an image alone in its
+    prompt goes through the image processor alone (anyres tiles, the item's own
+    ``mm_hash``); the images of a prompt with several go through it together (one
+    square tile each, as ``transformers`` processes a sample's images) and get the
+    mode's item key (:func:`several_images_hash`)."""
+
+    def _processor_size(self, kwargs: Any) -> dict[str, int] | None:
+        if kwargs:
+            raise InputError(
+                "mm_processor_kwargs are not supported by LLaVA-OneVision (its tiles have "
+                "a fixed size)",
+                code="invalid_processor_kwargs",
+            )
+        return None
+
+    def _images(
+        self, media: Sequence[MediaLike], order: Sequence[int], size: dict[str, int] | None
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
+        out = super()._images(media, order, size) if len(order) < 2 else self._several(media, order)
+        for index, (_, grid, _, _) in zip(order, out, strict=True):
+            want = ALONE if len(order) < 2 else ONE_OF_SEVERAL
+            if grid[0] != want:
+                raise InputError(
+                    f"image {index}: image_embeds.image_grid_thw {list(grid)} is the encoding "
+                    f"of an image {'alone' if grid[0] == ALONE else 'one of several'} in its "
+                    f"prompt, but this prompt has {len(order)} image(s)",
+                    code="invalid_image_embeds",
+                )
+        return out
+
+    def _several(
+        self, media: Sequence[MediaLike], order: Sequence[int]
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
+        """The images of a prompt with several, through the image processor in one call
+        (each image once, however often the prompt shows it)."""
+        first: dict[str, int] = {}
+        for i in order:
+            if getattr(media[i], "image_grid_thw", None) is None:
+                first.setdefault(media[i].mm_hash, i)
+        decoded = [
+            decode_image(
+                media[i].data,
+                index=i,
+                max_pixels=self.max_image_pixels,
+                formats=self.image_formats,
+            )
+            for i in first.values()
+        ]
+        pixels: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+        if decoded:
+            try:
+                # A nested list is one sample: transformers' several-images mode.
+                processed = self.image_processor(images=[decoded], return_tensors="pt")
+            except ValueError as exc:
+                raise InputError(
+                    f"images {list(first.values())} cannot be processed: {exc}",
+                    code="invalid_image",
+                ) from exc
+            finally:
+                for image in decoded:
+                    image.close()
+            count_preprocessed(len(decoded))
+            values = processed["pixel_values"].to(torch.float32)
+            for k, (mm_hash, (h, w)) in enumerate(
+                zip(first, processed["image_sizes"].tolist(), strict=True)
+            ):
+                pixels[mm_hash] = (ONE_OF_SEVERAL, int(h), int(w)), values[k, :1]
+        out: list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]] = []
+        for i in order:
+            item = media[i]
+            reference = getattr(item, "image_grid_thw", None)
+            if reference is not None:
+                grid = tuple(int(v) for v in reference)
+                out.append((several_images_hash(item.mm_hash), grid, None, None))  # type: ignore[arg-type]
+            else:
+                grid, tile = pixels[item.mm_hash]
+                out.append((several_images_hash(item.mm_hash), grid, tile, None))
+        return out
+
+
+FAMILY = ModelFamily(
+    name="LLaVA-OneVision",
+    model_types=("llava_onevision",),
+    architectures=("LlavaOnevisionForConditionalGeneration",),
+    vision_tower="ec_frontend.model.llava_onevision:LlavaOnevisionVisionTower",
+    # LLaVA-NeXT's names (transformers 5 and Hub layouts).
+    weight_prefixes=LLAVA_NEXT.weight_prefixes,
+    text_config=qwen2_text_config,
+    positions=lambda config: PositionSpec("rope"),
+    vision_builder=LlavaOnevisionVisionTower,
+    model_class="ec_frontend.model.llava_onevision:LlavaOnevisionModel",
+    merge_size=lambda config: 1,
+    image_tokens=image_tokens,
+    input_processor="ec_frontend.model.llava_onevision:LlavaOnevisionInputProcessor",
+)
