@@ -5,7 +5,9 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
 
 1. every distinct media item goes to an encoder (round-robin, all items in
    parallel, one request per item carrying that item only and ``max_tokens:
-   1``); their ``ec_transfer_params`` are merged. A failing encoder (transport
+   1``; an item of a chat with several images goes as two copies of itself, so the
+   encoder sees that context: LLaVA-OneVision encodes such an image differently);
+   their ``ec_transfer_params`` are merged. A failing encoder (transport
    error or 5xx) is retried on the next one; when every encoder fails for an
    item the request goes on without its params (the next stage encodes locally
    when it can), the response says so in ``X-EC-Fallback`` and
@@ -329,9 +331,13 @@ class Proxy:
         key, through the params or the consumer's connector)."""
         urls = self.config.encode_urls
         start = next(self._rr["encode"])
+        # An item of a prompt with several images goes in a chat of several image parts
+        # (itself twice: one item, encoded once), so that a family whose encoding depends
+        # on that (LLaVA-OneVision) encodes it as prefill and decode will use it.
+        copies = 2 if sum(1 for _ in _image_parts(body)) > 1 else 1
         item_body: dict[str, Any] = {
             "model": body.get("model"),
-            "messages": [{"role": "user", "content": [{**part, "uuid": item_uuid(part)}]}],
+            "messages": [{"role": "user", "content": [{**part, "uuid": item_uuid(part)}] * copies}],
             "max_tokens": 1,
             "stream": False,
         }
