@@ -57,17 +57,20 @@ def chat_messages(case: str, *, urls: bool) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
-def hf_inputs(hf_processor: Any, case: str) -> dict[str, torch.Tensor]:
-    """The case through ``transformers``' processor of the family."""
+def hf_inputs(hf_processor: Any, case: str, *, nested: bool = False) -> dict[str, torch.Tensor]:
+    """The case through ``transformers``' processor of the family; ``nested`` gives the
+    images as one sample's list (LLaVA-OneVision's processor counts them per sample)."""
     msgs = [{"role": "user", "content": [{"type": "image"}] * len(CASES[case][0])
              + [{"type": "text", "text": CASES[case][1]}]}]  # fmt: skip
     text = hf_processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    pil = [Image.open(io.BytesIO(png)) for png in images(case)]
+    pil: list[Any] = [Image.open(io.BytesIO(png)) for png in images(case)]
+    if nested and pil:
+        pil = [pil]
     return dict(hf_processor(text=[text], images=pil or None, return_tensors="pt"))
 
 
-def hf_generate(hf_processor: Any, hf_model: Any, case: str) -> list[int]:
-    inputs = hf_inputs(hf_processor, case)
+def hf_generate(hf_processor: Any, hf_model: Any, case: str, *, nested: bool = False) -> list[int]:
+    inputs = hf_inputs(hf_processor, case, nested=nested)
     with torch.no_grad():
         out = hf_model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -206,23 +206,22 @@ class LlavaOnevisionInputProcessor(InputProcessor):
     def _images(
         self, media: Sequence[MediaLike], order: Sequence[int], size: dict[str, int] | None
     ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
-        out = super()._images(media, order, size) if len(order) < 2 else self._several(media, order)
-        for index, (_, grid, _, _) in zip(order, out, strict=True):
-            want = ALONE if len(order) < 2 else ONE_OF_SEVERAL
-            if grid[0] != want:
-                raise InputError(
-                    f"image {index}: image_embeds.image_grid_thw {list(grid)} is the encoding "
-                    f"of an image {'alone' if grid[0] == ALONE else 'one of several'} in its "
-                    f"prompt, but this prompt has {len(order)} image(s)",
-                    code="invalid_image_embeds",
-                )
-        return out
+        if len(order) < 2:
+            return super()._images(media, order, size)
+        return self._several(media, order)
+
+    def _reference_grid(
+        self, grid: Sequence[int], index: int, size: dict[str, int] | None
+    ) -> tuple[int, int, int]:
+        """An ``image_embeds`` reference of an image alone in its prompt."""
+        _check_mode(grid, index, 1)
+        return super()._reference_grid(grid, index, size)
 
     def _several(
         self, media: Sequence[MediaLike], order: Sequence[int]
     ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
         """The images of a prompt with several, through the image processor in one call
-        (each image once, however often the prompt shows it)."""
+        (each distinct image once, however often the prompt shows it)."""
         first: dict[str, int] = {}
         for i in order:
             if getattr(media[i], "image_grid_thw", None) is None:
@@ -238,9 +237,11 @@ class LlavaOnevisionInputProcessor(InputProcessor):
         ]
         pixels: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
         if decoded:
+            # A nested list is one sample: with two images or more, transformers' mode of
+            # several images (each image on its own: one shown twice is processed twice).
+            sample = decoded * 2 if len(decoded) == 1 else decoded
             try:
-                # A nested list is one sample: transformers' several-images mode.
-                processed = self.image_processor(images=[decoded], return_tensors="pt")
+                processed = self.image_processor(images=[sample], return_tensors="pt")
             except ValueError as exc:
                 raise InputError(
                     f"images {list(first.values())} cannot be processed: {exc}",
@@ -251,21 +252,35 @@ class LlavaOnevisionInputProcessor(InputProcessor):
                     image.close()
             count_preprocessed(len(decoded))
             values = processed["pixel_values"].to(torch.float32)
-            for k, (mm_hash, (h, w)) in enumerate(
-                zip(first, processed["image_sizes"].tolist(), strict=True)
-            ):
+            sizes = processed["image_sizes"].tolist()[: len(decoded)]
+            for k, (mm_hash, (h, w)) in enumerate(zip(first, sizes, strict=True)):
                 pixels[mm_hash] = (ONE_OF_SEVERAL, int(h), int(w)), values[k, :1]
         out: list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]] = []
         for i in order:
             item = media[i]
             reference = getattr(item, "image_grid_thw", None)
             if reference is not None:
-                grid = tuple(int(v) for v in reference)
-                out.append((several_images_hash(item.mm_hash), grid, None, None))  # type: ignore[arg-type]
+                grid = _check_mode(reference, i, len(order))
+                out.append((several_images_hash(item.mm_hash), grid, None, None))
             else:
                 grid, tile = pixels[item.mm_hash]
                 out.append((several_images_hash(item.mm_hash), grid, tile, None))
         return out
+
+
+def _check_mode(grid: Sequence[int], index: int, num_images: int) -> tuple[int, int, int]:
+    """The grid of an ``image_embeds`` reference, if its mode is the one of a prompt
+    with ``num_images`` images (the encoder encoded it for such a prompt)."""
+    t, h, w = (int(v) for v in grid)
+    want = ALONE if num_images < 2 else ONE_OF_SEVERAL
+    if t != want:
+        encoded = {ALONE: "alone", ONE_OF_SEVERAL: "one of several"}.get(t, "in no known mode")
+        raise InputError(
+            f"image {index}: image_embeds.image_grid_thw {[t, h, w]} is the encoding of an "
+            f"image {encoded} in its prompt, but this prompt has {num_images} image(s)",
+            code="invalid_image_embeds",
+        )
+    return t, h, w
 
 
 FAMILY = ModelFamily(
