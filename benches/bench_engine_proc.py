@@ -85,15 +85,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def mid_size_checkpoint(builtin: Path, into: Path) -> Path:
-    """The built-in checkpoint's tokenizer and processor with a bigger config."""
+def mid_size_checkpoint(builtin: Path, into: Path, size: dict[str, Any] | None = None) -> Path:
+    """The built-in checkpoint's tokenizer and processor with a bigger config
+    (:data:`MID_SIZE`, or ``size`` in its form)."""
+    size = MID_SIZE if size is None else size
     into.mkdir(parents=True, exist_ok=True)
     for name in os.listdir(builtin):
         if not name.endswith(".safetensors"):
             shutil.copy(builtin / name, into / name)
     config = json.loads((builtin / "config.json").read_text())
-    vision = MID_SIZE["vision"]
-    config.update({k: v for k, v in MID_SIZE.items() if k != "vision"})
+    vision = size["vision"]
+    config.update({k: v for k, v in size.items() if k != "vision"})
     config["vision_config"].update(vision)
     (into / "config.json").write_text(json.dumps(config))
     return into

@@ -41,6 +41,7 @@ import platform
 import random
 import statistics
 import string
+import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -342,16 +343,48 @@ async def engine_round(
     return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
 
-def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
-    """Unconstrained tokens/s beside a constrained vs a free neighbour, at each batch
-    size, in alternating rounds; per-step bitmask time on the engine's thread."""
-    config = EngineConfig(
-        model=None,
+#: ``--model mid-size``: the built-in tokenizer and processor with a decoder of hidden
+#: 1024 and 8 layers (about 110M parameters, dummy weights), whose step costs about
+#: what a real model's does relative to the grammar's per-token work.
+MID_SIZE = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "rope_scaling": {"mrope_section": [8, 12, 12], "type": "mrope"},  # head_dim 64
+    "vision": {"depth": 2, "embed_dim": 128, "hidden_size": 1024, "num_heads": 4},
+}
+
+
+def engine_config(args: argparse.Namespace, tmp: Path) -> EngineConfig:
+    """The built-in model, or (``--model mid-size``) :data:`MID_SIZE` with dummy weights."""
+    model, load_format = None, "auto"
+    if args.model == "mid-size":
+        from bench_engine_proc import mid_size_checkpoint
+        from ec_frontend.model.builtin import ensure_builtin_checkpoint
+
+        model = str(mid_size_checkpoint(ensure_builtin_checkpoint(), tmp / "mid", MID_SIZE))
+        load_format = "dummy"
+    return EngineConfig(
+        model=model,
+        load_format=load_format,
         device=args.device,
         dtype="float32",
         scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=2048),
         cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
     )
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """Unconstrained tokens/s beside a constrained vs a free neighbour, at each batch
+    size, in alternating rounds; per-step bitmask time on the engine's thread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = engine_config(args, Path(tmp))
+        return _bench_engine(args, config)
+
+
+def _bench_engine(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
     engine = AsyncEngine.from_config(config)
     processor = engine.processor
     assert processor is not None
@@ -407,6 +440,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     out: dict[str, Any] = {
+        "model": args.model,
         "unconstrained_requests_per_batch": {str(b): b - 1 for b in batches},
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
@@ -463,12 +497,13 @@ def bench_sampler(tokens: list[bytes], batches: list[int], rounds: int) -> dict[
                 for k in configs:
                     st, outs = states[k], outputs[k]
                     rows = [SamplingRow(params, None, [1], outs[i], (), st[i]) for i in range(b)]
+                    work = logits.clone()  # the runner hands over logits it does not reuse
                     t = time.perf_counter()
                     future = filler.start(st, outs, vocab)
                     if mode == "overlapped" and isinstance(future, Future):
                         future.result()
                         t = time.perf_counter()
-                    chosen, _ = sampler(logits, rows, future)
+                    chosen, _ = sampler(work, rows, future, logits_writable=True)
                     times[k][mode].append(time.perf_counter() - t)
                     for i in range(k):
                         state = st[i]
@@ -500,6 +535,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--sampler-rounds", type=int, default=100)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--model", choices=("builtin", "mid-size"), default="builtin", help="part 2's model"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--skip-mask", action="store_true", help="skip part 1 (the library)")
     ap.add_argument("--output", type=Path, default=RESULTS / "bench_structured.json")

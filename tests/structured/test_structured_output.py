@@ -280,7 +280,36 @@ def test_apply_bitmask_equals_the_elementwise_mask(vocab: int) -> None:
         for r in rows:
             want[r] = torch.where(allowed[r], logits[r], float("-inf"))
         assert torch.equal(out, want), rows
+        # In place: the same values, written into the given tensor (a contiguous one
+        # and a strided view, which takes torch's path instead of numpy's).
+        for given in (logits.clone(), logits.t().contiguous().t()):
+            done = apply_bitmask(given, mask, rows, inplace=True)
+            assert done.data_ptr() == given.data_ptr()
+            assert torch.equal(given, want), rows
     assert torch.equal(logits, before)
+
+
+def test_sampler_writes_masks_into_logits_only_when_allowed(compiler: GrammarCompiler) -> None:
+    """The runner hands the sampler logits it never reads again (``logits_writable``):
+    a constrained row is masked in that tensor instead of a copy of the batch, and the
+    tokens equal the copying path's; without the flag the caller's tensor is kept."""
+    grammar = compiler.compile("choice", ["yes", "no"], "structured_outputs.choice")
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    logits = torch.randn(4, compiler.vocab_size, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+
+    def rows() -> list[SamplingRow]:
+        return [
+            SamplingRow(params, None, [1], [], (), grammar.new_state() if i == 2 else None)
+            for i in range(4)
+        ]
+
+    kept, _ = Sampler()(logits, rows())
+    assert torch.equal(logits, before)
+    written, _ = Sampler()(logits, rows(), logits_writable=True)
+    assert written == kept
+    assert torch.equal(logits[[0, 1, 3]], before[[0, 1, 3]])
+    assert torch.isinf(logits[2]).sum() > 0 and logits[2].argmax() == kept[2]
 
 
 def test_worker_thread_and_parallel_executor_give_the_inline_masks(

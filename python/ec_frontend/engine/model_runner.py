@@ -363,7 +363,7 @@ class ModelRunner:
             return
         rows_idx = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=model.device)
         logits = model.compute_logits(hidden[rows_idx])
-        tokens, logprobs = self.sampler(logits, rows, bitmask)
+        tokens, logprobs = self.sampler(logits, rows, bitmask, logits_writable=True)
         for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
             rid = batch[i].request_id
             self._record_sampled(states[i], token)

@@ -114,26 +114,32 @@ class Sampler:
         logits: torch.Tensor,
         rows: Sequence[SamplingRow],
         grammar_bitmask: Future[torch.Tensor] | torch.Tensor | None = None,
+        *,
+        logits_writable: bool = False,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """``grammar_bitmask``: the constrained rows' bitmask, computed ahead (see
         :class:`~ec_frontend.engine.structured_output.BitmaskFiller`); computed here
-        when a row has a grammar and none is given."""
+        when a row has a grammar and none is given. ``logits_writable``: the caller
+        does not read ``logits`` afterwards, so masks may be written into it."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         if not rows:
             return [], []
+        owned = logits_writable or logits.dtype != torch.float32
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if penalized:
             logits = _apply_penalties(logits, rows, penalized)
+            owned = True
 
         if any(
             r.params.logit_bias or r.params.allowed_token_ids is not None or r.stop_ids_masked
             for r in rows
         ):
             logits = _apply_token_masks(logits, rows)
+            owned = True
 
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
@@ -146,7 +152,7 @@ class Sampler:
                     [r.output_token_ids for r in rows],
                     logits.shape[-1],
                 )
-            logits = apply_bitmask(logits, grammar_bitmask, constrained)
+            logits = apply_bitmask(logits, grammar_bitmask, constrained, inplace=owned)
 
         greedy = [r.params.is_greedy for r in rows]
         chosen = logits.argmax(dim=-1)
