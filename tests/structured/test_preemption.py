@@ -39,10 +39,14 @@ def processor(builtin_model_dir: Path) -> Any:
     return load_processor(builtin_model_dir)
 
 
-def _engine(model: Any, processor: Any, num_kv_blocks: int) -> EngineCore:
+def _engine(
+    model: Any, processor: Any, num_kv_blocks: int, max_num_batched_tokens: int = 256
+) -> EngineCore:
     config = EngineConfig(
         device="cpu",
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=112),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=112
+        ),
         cache=CacheConfig(block_size=16, num_kv_blocks=num_kv_blocks, enable_prefix_caching=False),
     )
     return EngineCore(
@@ -79,10 +83,8 @@ def _run(
     return tokens, finish, preempted
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_constrained_requests_survive_preemption(
-    model: Any, processor: Any, temperature: float
-) -> None:
+def _requests(model: Any, processor: Any, temperature: float) -> tuple[list, list]:
+    """Four constrained requests (random JSON schemas) and two free neighbours."""
     eos = processor.eos_token_id
     compiler = GrammarCompiler(
         processor.tokenizer, model.vocab_size, [eos] if isinstance(eos, int) else list(eos)
@@ -99,7 +101,23 @@ def test_constrained_requests_survive_preemption(
         else:
             params.ignore_eos = True  # free neighbours that hold their blocks to the end
         requests.append((f"r{i}", inputs, params))
+    return requests, schemas
 
+
+def _check_valid(processor: Any, schemas: list, got: dict, got_finish: dict) -> None:
+    for i, schema in enumerate(schemas):
+        rid = f"r{i}"
+        assert got_finish[rid] == "stop", (rid, got_finish[rid])
+        jsonschema.validate(
+            json.loads(processor.tokenizer.decode(got[rid], skip_special_tokens=True)), schema
+        )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_requests_survive_preemption(
+    model: Any, processor: Any, temperature: float
+) -> None:
+    requests, schemas = _requests(model, processor, temperature)
     roomy = _engine(model, processor, num_kv_blocks=256)
     want, want_finish, _ = _run(roomy, [(r, x, copy.copy(p)) for r, x, p in requests])
     assert roomy.stats().preemptions_total == 0
@@ -113,9 +131,36 @@ def test_constrained_requests_survive_preemption(
 
     assert got == want
     assert got_finish == want_finish
-    for i, schema in enumerate(schemas):
-        rid = f"r{i}"
-        assert got_finish[rid] == "stop", (rid, got_finish[rid])
-        jsonschema.validate(
-            json.loads(processor.tokenizer.decode(got[rid], skip_special_tokens=True)), schema
-        )
+    _check_valid(processor, schemas, got, got_finish)
+
+
+def test_constrained_requests_with_chunked_prefill(model: Any, processor: Any) -> None:
+    """A token budget of 8 splits every prompt into chunks that sample nothing; the
+    grammar constrains the first token sampled after the last chunk, and the output
+    equals that of whole-prompt prefills."""
+    requests, schemas = _requests(model, processor, 1.0)
+    whole = _engine(model, processor, num_kv_blocks=256)
+    want, want_finish, _ = _run(whole, [(r, x, copy.copy(p)) for r, x, p in requests])
+
+    chunked = _engine(model, processor, num_kv_blocks=256, max_num_batched_tokens=8)
+    partial: set[str] = set()
+    for rid, inputs, params in requests:
+        chunked.add_request(rid, inputs, copy.copy(params))
+    got: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    got_finish: dict[str, str] = {}
+    for _ in range(5000):
+        if not chunked.has_work():
+            break
+        for out in chunked.step():
+            got[out.request_id] += out.token_ids
+            if out.finished:
+                got_finish[out.request_id] = str(out.finish_reason)
+        for rid, request in chunked.scheduler.requests.items():
+            if 0 < request.num_computed_tokens < request.num_prompt_tokens:
+                partial.add(rid)
+                assert not request.output_token_ids
+    assert not chunked.has_work()
+    assert {f"r{i}" for i in range(len(schemas))} <= partial, partial
+    assert got == want
+    assert got_finish == want_finish
+    _check_valid(processor, schemas, got, got_finish)

@@ -247,6 +247,29 @@ def test_regex_choice_and_grammar(client: openai.OpenAI, stream: bool) -> None:
         assert c.choices[0].text in CHOICES
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_inside_constrained_output(client: openai.OpenAI, stream: bool) -> None:
+    """A stop string ends a constrained output where it appears (the text before it,
+    finish_reason stop); the next request on the same grammar is unaffected."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "extra_body": {"structured_outputs": {"regex": r"key=[0-9]{3};value=[a-z]{4}"}},
+    }
+    for seed in range(3):
+        if stream:
+            text, _, finish = _stream_chat(client, seed=seed, stop=[";"], **kwargs)
+        else:
+            r = client.chat.completions.create(seed=seed, stop=[";"], **kwargs)
+            text, finish = r.choices[0].message.content or "", r.choices[0].finish_reason
+        assert finish == "stop" and re.fullmatch(r"key=[0-9]{3}", text), text
+        r = client.chat.completions.create(seed=seed, **kwargs)
+        whole = r.choices[0].message.content or ""
+        assert re.fullmatch(r"key=[0-9]{3};value=[a-z]{4}", whole), whole
+        assert whole.startswith(text + ";"), (text, whole)
+
+
 def test_responses_text_format(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
