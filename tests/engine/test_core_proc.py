@@ -176,15 +176,27 @@ def test_multiprocess_engine_matches_in_process_and_serves_two_clients(
     local = AsyncEngine(core, processor)
 
     async def run_local() -> list[RequestOutput]:
-        return [
+        outs = [
             await _collect(local.add_request(f"l{i}", p, _greedy(12)))
             for i, p in enumerate(prompts)
         ]
+        # Ended by one of stop_token_ids: the first k tokens' text, the stop token's left out.
+        ids = outs[1].token_ids
+        k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+        by_token = _greedy(12, stop_token_ids=[ids[k]])
+        outs.append(await _collect(local.add_request("token", prompts[1], by_token)))
+        outs.append(await _collect(local.add_request("first-k", prompts[1], _greedy(k))))
+        return outs
 
     try:
         expected = asyncio.run(run_local())
     finally:
         local.shutdown()
+    by_token, first_k = expected[2:]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == by_token.token_ids[-1]
+    assert by_token.token_ids == [*first_k.token_ids, by_token.stop_reason]
+    assert by_token.text == first_k.text
+    token = by_token.stop_reason
 
     handle = EngineProcess.start(EngineSpec(config, cpu_threads=1), num_clients=2, timeout=300)
     clients = [
@@ -205,8 +217,11 @@ def test_multiprocess_engine_matches_in_process_and_serves_two_clients(
             clients[0].add_request("stop", prompts[1], _greedy(12, stop=[stop_at]))
         )
         outs = await asyncio.gather(*(_collect(s) for s in same_id))
+        by_token = await _collect(
+            clients[1].add_request("token", prompts[1], _greedy(12, stop_token_ids=[token]))
+        )
         return {"same": outs, "first": first, "aborted": aborted, "stopped": stopped,
-                "stop": stop_at}  # fmt: skip
+                "stop": stop_at, "token": by_token}  # fmt: skip
 
     try:
         got = asyncio.run(run_remote())
@@ -218,13 +233,16 @@ def test_multiprocess_engine_matches_in_process_and_serves_two_clients(
         stopped = got["stopped"]
         assert stopped.finish_reason == "stop" and stopped.stop_reason == got["stop"]
         assert expected[1].text.startswith(stopped.text) and got["stop"] not in stopped.text
+        remote = got["token"]
+        assert (remote.token_ids, remote.text) == (by_token.token_ids, by_token.text)
+        assert (remote.finish_reason, remote.stop_reason) == ("stop", token)
         # Every client gets every step's stats (each on its own I/O thread).
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(_idle(c.stats()) for c in clients):
             time.sleep(0.05)
         for c in clients:
             stats = c.stats()
-            assert stats.requests_finished_total == 4 and stats.num_requests_running == 0
+            assert stats.requests_finished_total == 5 and stats.num_requests_running == 0
             assert c.is_running and not c.holds_request("same")
     finally:
         for c in clients:

@@ -20,7 +20,7 @@ from ec_frontend.connectors.factory import create_ec_connectors, create_kv_conne
 from ec_frontend.connectors.kv_base import KVConnectorBase
 from ec_frontend.connectors.noop import NoOpECConnector
 from ec_frontend.engine.config import EngineConfig
-from ec_frontend.engine.detokenizer import IncrementalDetokenizer
+from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager, plan_kv_cache
 from ec_frontend.engine.model_runner import ModelRunner
@@ -244,7 +244,8 @@ class EngineCore:
         state = self._states.get(co.request_id)
         text = ""
         if state is not None and state.detokenizer is not None:
-            stop = state.detokenizer.update(co.new_token_ids, co.finished)
+            new_ids = text_token_ids(co.new_token_ids, co.finish_reason, co.stop_reason)
+            stop = state.detokenizer.update(new_ids, co.finished)
             if stop is not None:
                 if not co.finished:
                     for final in self.scheduler.finish_requests(

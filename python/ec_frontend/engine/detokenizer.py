@@ -20,6 +20,16 @@ from ec_frontend.engine.sampling_params import SamplingParams
 _PROMPT_CONTEXT = 5
 
 
+def text_token_ids(
+    token_ids: Sequence[int], finish_reason: str | None, stop_reason: int | str | None
+) -> Sequence[int]:
+    """The new tokens whose text is emitted: a stop token that ended the request
+    (one of ``stop_token_ids``) contributes no text, as in vLLM."""
+    if finish_reason == "stop" and type(stop_reason) is int and token_ids[-1:] == [stop_reason]:
+        return token_ids[:-1]
+    return token_ids
+
+
 class IncrementalDetokenizer:
     """Per-request text state. ``tokenizer`` is any object with HF-style ``decode``."""
 

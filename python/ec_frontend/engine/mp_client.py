@@ -53,7 +53,7 @@ from ec_frontend.engine.core_proc import (
     pack_dataclass,
     pack_params,
 )
-from ec_frontend.engine.detokenizer import IncrementalDetokenizer
+from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
 from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
 from ec_frontend.engine.stats import EngineStats
 
@@ -400,10 +400,7 @@ class MPEngineClient:
         text = ""
         detok = state.detokenizer
         if detok is not None:
-            text_ids = token_ids
-            if finish == "stop" and type(stop_reason) is int and token_ids[-1:] == [stop_reason]:
-                text_ids = token_ids[:-1]  # as vLLM: a stop token's text is left out
-            stop = detok.update(text_ids, finished)
+            stop = detok.update(text_token_ids(token_ids, finish, stop_reason), finished)
             if stop is not None:
                 out = RequestOutput(
                     rid, state.prompt_token_ids, token_ids, detok.take_delta(True), True,
