@@ -24,6 +24,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -185,14 +186,23 @@ class _Sharing:
 _SHARING = _Sharing()
 
 
+#: Every counter and histogram of this process, so sharing starts from their values.
+_LIVE: weakref.WeakSet[Counter | Histogram] = weakref.WeakSet()
+
+
 def share_values(directory: str, name: str) -> SharedValues:
     """Write this process's metric values under ``directory`` from now on.
 
-    Call it before any metric is updated (values counted earlier stay local).
+    The file starts with the values counted so far, so the group's sums include
+    them. Call it before traffic starts: an update made while the file is being
+    seeded may be missed by the group's sums (never counted twice).
     """
-    _SHARING.values = SharedValues(directory, name)
+    values = SharedValues(directory, name)
+    for metric in list(_LIVE):
+        metric.seed(values)
+    _SHARING.values = values
     _SHARING.directory = directory
-    return _SHARING.values
+    return values
 
 
 def shared_snapshot() -> Snapshot | None:
@@ -210,6 +220,12 @@ class Counter:
         self.help = help_text
         self.labelnames = labelnames
         self.values: dict[tuple[str, ...], float] = {}
+        _LIVE.add(self)
+
+    def seed(self, shared: SharedValues) -> None:
+        """Write the values counted so far into ``shared``."""
+        for labels, value in list(self.values.items()):
+            shared.add(self.name, labels, value)
 
     def inc(self, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
         self.values[labels] = self.values.get(labels, 0.0) + amount
@@ -243,6 +259,15 @@ class Histogram:
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
         self.count = 0
+        _LIVE.add(self)
+
+    def seed(self, shared: SharedValues) -> None:
+        """Write the observations made so far into ``shared``."""
+        for index, n in enumerate(list(self.counts)):
+            if n:
+                shared.add(self.name + "_bucket", (str(index),), n)
+        if self.count:
+            shared.add(self.name + "_sum", (), self.sum)
 
     def observe(self, value: float) -> None:
         index = bisect.bisect_left(self.bounds, value)

@@ -93,14 +93,10 @@ def sharing(tmp_path: Path) -> Iterator[Path]:
         shared.close()
 
 
-def test_snapshot_renders_like_the_local_values(
-    sharing: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_snapshot_renders_like_the_local_values(sharing: Path) -> None:
     """A process alone in its group renders the same text from the shared file as
-    from memory, and :func:`render` reads the file. The process-wide image counter
-    starts empty here: earlier tests in this process counted images before any
-    sharing began, which the shared file never saw."""
-    monkeypatch.setattr(metrics.IMAGES_PREPROCESSED, "values", {})
+    from memory, and :func:`render` reads the file (the process-wide image counter
+    holds whatever earlier tests here counted: the file starts from it)."""
     server = ServerMetrics()
     for v in [0.0, 0.01, 0.05, 0.5, 3.0, 1e-6, 0.1, 7.5, 100.0]:
         server.ttft.observe(v)
@@ -111,6 +107,32 @@ def test_snapshot_renders_like_the_local_values(
     assert list(server.render(read_shared(str(sharing)))) == local
     assert metrics.render(server, None) == metrics.exposition(local)
     assert (sharing / "self.metrics").stat().st_size > 0
+
+
+def test_values_counted_before_sharing_are_in_the_group_sums(tmp_path: Path) -> None:
+    """Sharing starts from what each counter and histogram already holds, and later
+    updates add to it once."""
+    server = ServerMetrics()
+    server.requests.inc(("/v1/models", "200"), amount=3)
+    server.ttft.observe(0.02)
+    server.ttft.observe(7.0)
+    before = metrics.IMAGES_PREPROCESSED.get()
+    shared = metrics.share_values(str(tmp_path), "late")
+    try:
+        metrics.IMAGES_PREPROCESSED.inc()
+        server.requests.inc(("/v1/models", "200"))
+        server.ttft.observe(0.5)
+        local = list(server.render())
+        assert list(server.render(read_shared(str(tmp_path)))) == local
+        m = parse_text(metrics.exposition(server.render(read_shared(str(tmp_path)))))
+        assert m['ec_frontend_requests_total{endpoint="/v1/models",status="200"}'] == 4
+        assert m["ec_frontend_time_to_first_token_seconds_count"] == 3
+        assert m["ec_frontend_time_to_first_token_seconds_sum"] == pytest.approx(7.52)
+        assert m["ec_frontend_images_preprocessed_total"] == before + 1
+    finally:
+        metrics._SHARING.values = None
+        metrics._SHARING.directory = None
+        shared.close()
 
 
 def test_file_grows_past_its_first_mapping(tmp_path: Path) -> None:
