@@ -1,6 +1,7 @@
 """Output tokens/s of ec-frontend against ``transformers`` ``generate`` per model family.
 
-For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT) a mid-size
+For each family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT,
+LLaVA-OneVision) a mid-size
 random checkpoint is written with ``transformers``' own classes (decoder hidden 1024
 in 8 layers; the vision tower at its real depth, narrowed), then the same workload
 runs on both:
@@ -45,6 +46,7 @@ from PIL import Image  # noqa: E402
 from transformers import (  # noqa: E402
     LlavaForConditionalGeneration,
     LlavaNextForConditionalGeneration,
+    LlavaOnevisionForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
@@ -121,6 +123,19 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any], Any, Any]] = {
         },
         LlavaNextForConditionalGeneration,
         ckpt.load_hf_llava_next_processor,
+    ),
+    # SigLIP-so400m's depth (27 layers, 14 px patches at 384 px), width 256; anyres over
+    # 1 to 6 tiles a side: a 224 px picture is its base tile plus one tile.
+    "LLaVA-OneVision": (
+        functools.partial(ckpt.write_llava_onevision, image_size=384),
+        {
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 4,
+        },
+        LlavaOnevisionForConditionalGeneration,
+        ckpt.load_hf_llava_onevision_processor,
     ),
 }
 QUESTION = "Describe this picture in detail."
