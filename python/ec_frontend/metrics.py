@@ -81,9 +81,10 @@ def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
 #: Summed values of a group of processes: metric name -> label values -> value.
 Snapshot = dict[str, dict[tuple[str, ...], float]]
 
-_HEADER = struct.Struct("<Q")  # bytes in use, header included
-_KEY_LEN = struct.Struct("<I")
-_VALUE = struct.Struct("<d")
+# Native byte order: the files are read on the host that writes them.
+_HEADER = struct.Struct("=Q")  # bytes in use, header included
+_KEY_LEN = struct.Struct("=I")
+_VALUE = struct.Struct("=d")
 _SUFFIX = ".metrics"
 
 
@@ -93,8 +94,10 @@ class SharedValues:
     Only the owning process writes its file. An entry is a key (JSON
     ``[name, *labels]``), padded to 8 bytes, and a float64 that is updated in
     place; a new entry is written before the header's length covers it, so a
-    reader never sees a half-written key. Readers sum the files of a directory
-    (:func:`read_shared`).
+    reader never sees a half-written key. The header and the values are 8-byte
+    aligned words stored whole through typed views (``struct.pack_into`` zeroes its
+    target before filling it, which a concurrent reader could see as a drop to 0).
+    Readers sum the files of a directory (:func:`read_shared`).
     """
 
     def __init__(self, directory: str, name: str, capacity: int = 1 << 16) -> None:
@@ -102,8 +105,9 @@ class SharedValues:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self._fd, capacity)
         self._mm = mmap.mmap(self._fd, capacity)
+        self._map_views()
         self._used = _HEADER.size
-        _HEADER.pack_into(self._mm, 0, self._used)
+        self._words[0] = self._used
         self._offsets: dict[tuple[str, tuple[str, ...]], int] = {}
         # Preprocessing threads count images while the event loop counts requests.
         self._lock = threading.Lock()
@@ -118,25 +122,34 @@ class SharedValues:
             offset += -offset % 8
             end = offset + _VALUE.size
             if end > len(self._mm):
+                self._words.release()
+                self._doubles.release()
                 self._mm.resize(max(2 * len(self._mm), end))
+                self._map_views()
             _KEY_LEN.pack_into(self._mm, start, len(raw))
             self._mm[start + _KEY_LEN.size : start + _KEY_LEN.size + len(raw)] = raw
-            _VALUE.pack_into(self._mm, offset, 0.0)
+            self._doubles[offset >> 3] = 0.0
             self._used = end
-            _HEADER.pack_into(self._mm, 0, end)
+            self._words[0] = end
             self._offsets[key] = offset
         return offset
 
+    def _map_views(self) -> None:
+        self._words = memoryview(self._mm).cast("Q")
+        self._doubles = memoryview(self._mm).cast("d")
+
     def add(self, name: str, labels: tuple[str, ...], amount: float) -> None:
         with self._lock:
-            offset = self._offset(name, labels)
-            _VALUE.pack_into(self._mm, offset, _VALUE.unpack_from(self._mm, offset)[0] + amount)
+            index = self._offset(name, labels) >> 3
+            self._doubles[index] += amount
 
     def set(self, name: str, labels: tuple[str, ...], value: float) -> None:
         with self._lock:
-            _VALUE.pack_into(self._mm, self._offset(name, labels), value)
+            self._doubles[self._offset(name, labels) >> 3] = value
 
     def close(self) -> None:
+        self._words.release()
+        self._doubles.release()
         self._mm.close()
         os.close(self._fd)
 

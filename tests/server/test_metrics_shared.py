@@ -6,6 +6,7 @@ temporary directory; this test process only reads, so its own metrics stay local
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -83,7 +84,11 @@ def test_processes_sum_into_one_set_of_series(tmp_path: Path) -> None:
 
 @pytest.fixture
 def sharing(tmp_path: Path) -> Iterator[Path]:
-    """This process shares its metric values under ``tmp_path`` for one test."""
+    """This process shares its metric values under ``tmp_path`` for one test. Sharing
+    starts from every live metric's values: the servers of earlier tests in this
+    process are collected first, so that only this test's metrics (and the
+    process-wide image counter) are live."""
+    gc.collect()
     shared = metrics.share_values(str(tmp_path), "self")
     try:
         yield tmp_path
