@@ -24,7 +24,6 @@ import mmap
 import os
 import struct
 import threading
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -199,20 +198,16 @@ class _Sharing:
 _SHARING = _Sharing()
 
 
-#: Every counter and histogram of this process, so sharing starts from their values.
-_LIVE: weakref.WeakSet[Counter | Histogram] = weakref.WeakSet()
-
-
 def share_values(directory: str, name: str) -> SharedValues:
     """Write this process's metric values under ``directory`` from now on.
 
-    The file starts with the values counted so far, so the group's sums include
-    them. Call it before traffic starts: an update made while the file is being
-    seeded may be missed by the group's sums (never counted twice).
+    Call it before the server's :class:`ServerMetrics` is made (an API server
+    process does so first thing). The process-wide counters of this module start
+    the file with what they counted so far, so the group's sums include it.
     """
     values = SharedValues(directory, name)
-    for metric in list(_LIVE):
-        metric.seed(values)
+    for counter in _PROCESS_WIDE:
+        counter.seed(values)
     _SHARING.values = values
     _SHARING.directory = directory
     return values
@@ -233,7 +228,6 @@ class Counter:
         self.help = help_text
         self.labelnames = labelnames
         self.values: dict[tuple[str, ...], float] = {}
-        _LIVE.add(self)
 
     def seed(self, shared: SharedValues) -> None:
         """Write the values counted so far into ``shared``."""
@@ -272,15 +266,6 @@ class Histogram:
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
         self.count = 0
-        _LIVE.add(self)
-
-    def seed(self, shared: SharedValues) -> None:
-        """Write the observations made so far into ``shared``."""
-        for index, n in enumerate(list(self.counts)):
-            if n:
-                shared.add(self.name + "_bucket", (str(index),), n)
-        if self.count:
-            shared.add(self.name + "_sum", (), self.sum)
 
     def observe(self, value: float) -> None:
         index = bisect.bisect_left(self.bounds, value)
@@ -327,6 +312,9 @@ IMAGES_PREPROCESSED = Counter(
     "Images decoded and preprocessed into pixel values by this instance.",
 )
 
+
+#: Counters that live as long as the process (seeded into its shared file).
+_PROCESS_WIDE = (IMAGES_PREPROCESSED,)
 
 _IN_FLIGHT = PREFIX + "http_requests_in_flight"
 
