@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from ..helpers.processes import Proc
 from .conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -136,3 +137,32 @@ def test_killed_server_takes_its_engine_along(builtin_model_dir: Path) -> None:
         assert _wait_gone(engine, 10.0), "the engine process outlived its server"
     finally:
         server.stop()
+
+
+def _engine_interpreters() -> set[int]:
+    """Every engine process on the host (found by its command line)."""
+    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+    return {p for p in pids if "core_proc import main" in _cmdline(p) and _running(p)}
+
+
+@pytest.mark.parametrize("bad", ["max-model-len", "no-config"])
+def test_startup_error_after_the_engine_interpreter_was_spawned(
+    builtin_model_dir: Path, tmp_path: Path, bad: str
+) -> None:
+    """The engine's interpreter starts ahead of the server's own imports; a bad flag
+    or checkpoint found afterwards still gives the one-line error and exit 2, and that
+    interpreter (never given its spec) is gone."""
+    before = _engine_interpreters()
+    args = ["--model", str(builtin_model_dir), "--max-model-len", "99999999"]
+    if bad == "no-config":
+        args = ["--model", str(tmp_path)]
+    proc = Proc("serve", args, "bad")
+    try:
+        assert proc.proc.wait(120) == 2, proc.log()
+        assert "cannot start" in proc.log() and "Traceback" not in proc.log(), proc.log()
+    finally:
+        proc.stop()
+    end = time.monotonic() + 10
+    while time.monotonic() < end and _engine_interpreters() - before:
+        time.sleep(0.05)
+    assert not _engine_interpreters() - before, "a spawned engine interpreter outlived its server"

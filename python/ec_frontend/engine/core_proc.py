@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import dataclasses
+import importlib
 import io
 import logging
 import os
@@ -247,6 +248,8 @@ class EngineProcess:
         self.directory = directory
         self._ready_fd = ready_fd
         self.info: dict[str, Any] = {}
+        #: Whether the process was given its spec (:meth:`send`).
+        self.was_sent = False
 
     @property
     def address(self) -> str:
@@ -258,16 +261,15 @@ class EngineProcess:
         return self.proc.pid
 
     @classmethod
-    def launch(cls, spec: EngineSpec, num_clients: int = 1) -> EngineProcess:
-        """Start the process; :meth:`wait_ready` waits for its model to load."""
-        try:
-            blob = _dumps(spec)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise StartupError(f"the engine config cannot be sent to its process: {exc}") from None
+    def spawn(cls, kind: str = "real", num_clients: int = 1) -> EngineProcess:
+        """Start the interpreter before its spec is known: it imports what building a
+        ``kind`` core needs (torch, transformers, the model code) while the caller does
+        its own startup, then waits for :meth:`send`. A process that is never sent a
+        spec exits quietly when its stdin closes (:meth:`kill`, or the caller's exit)."""
         directory = tempfile.mkdtemp(prefix="ec-engine-")
         read_fd, write_fd = os.pipe()
         code = "from ec_frontend.engine.core_proc import main; main()"
-        args = [sys.executable, "-c", code, str(write_fd), directory, str(num_clients)]
+        args = [sys.executable, "-c", code, str(write_fd), directory, str(num_clients), kind]
         try:
             proc = subprocess.Popen(args, stdin=subprocess.PIPE, pass_fds=(write_fd,))
         except BaseException:
@@ -276,15 +278,34 @@ class EngineProcess:
             raise
         finally:
             os.close(write_fd)
-        handle = cls(proc, directory, read_fd)
+        return cls(proc, directory, read_fd)
+
+    def send(self, spec: EngineSpec) -> EngineProcess:
+        """Give a :meth:`spawn`-ed process its spec; :meth:`wait_ready` waits for its
+        model to load. On failure the process is killed."""
         try:
-            assert proc.stdin is not None
-            proc.stdin.write(blob)
-            proc.stdin.close()
+            blob = _dumps(spec)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            self.kill()
+            raise StartupError(f"the engine config cannot be sent to its process: {exc}") from None
+        self.was_sent = True
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(blob)
+            self.proc.stdin.close()
         except OSError as exc:
-            handle.kill()
+            self.kill()
             raise StartupError(f"the engine process could not be given its config: {exc}") from None
-        return handle
+        return self
+
+    @classmethod
+    def launch(cls, spec: EngineSpec, num_clients: int = 1) -> EngineProcess:
+        """Start the process for ``spec``; :meth:`wait_ready` waits for its model to load."""
+        try:
+            _dumps(spec)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise StartupError(f"the engine config cannot be sent to its process: {exc}") from None
+        return cls.spawn(spec.kind, num_clients).send(spec)
 
     def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         """The engine's facts once its core is built; :class:`StartupError` with the
@@ -375,15 +396,35 @@ def _mappingproxy(d: dict[Any, Any]) -> types.MappingProxyType[Any, Any]:
 # ---- the engine process ---------------------------------------------------------
 
 
+def _import_ahead(kind: str) -> None:
+    """Import the modules that building a ``kind`` core needs, before its spec arrives.
+    A failure here is left for the build to report with its own message."""
+    names = ["ec_frontend.entrypoints.mock_engine"]
+    if kind == "real":
+        names = ["ec_frontend.entrypoints.real_engine", "ec_frontend.model.loader"]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            return
+
+
 def main() -> None:
-    """Entry of the engine process: ``<ready fd> <socket dir> <clients>``, spec on stdin."""
+    """Entry of the engine process: ``<ready fd> <socket dir> <clients> [<kind>]``,
+    spec on stdin (an empty stdin: nobody needs this process; it exits 0)."""
     ready_fd, directory, num_clients = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     parent = os.getppid()
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then stops us
     spec: EngineSpec | None = None
     try:
-        spec = pickle.loads(sys.stdin.buffer.read())
+        if len(sys.argv) > 4:
+            _import_ahead(sys.argv[4])
+        blob = sys.stdin.buffer.read()
+        if not blob:
+            shutil.rmtree(directory, ignore_errors=True)
+            os._exit(0)
+        spec = pickle.loads(blob)
         assert spec is not None
         for entry in spec.sys_path:
             if entry not in sys.path:

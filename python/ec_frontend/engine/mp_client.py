@@ -213,11 +213,13 @@ class MPEngineClient:
         log_level: int = logging.WARNING,
         kind: str = "real",
         processor: Any = None,
+        spawned: EngineProcess | None = None,
     ) -> MPEngineClient:
-        """Start an engine process for ``config`` and connect to it. The frontend's
-        input processor loads while the engine loads its model."""
+        """Start an engine process for ``config`` (or give ``spawned``, an
+        :meth:`EngineProcess.spawn`-ed one, its spec) and connect to it. The
+        frontend's input processor loads while the engine loads its model."""
         spec = EngineSpec(config, cpu_threads=cpu_threads, kind=kind, log_level=log_level)
-        proc = EngineProcess.launch(spec)
+        proc = EngineProcess.launch(spec) if spawned is None else spawned.send(spec)
         try:
             if processor is None:
                 processor = _load_processor(config, kind)

@@ -184,10 +184,11 @@ def build_core(config: EngineConfig) -> tuple[Any, Any]:
     return EngineCore(config, model, eos_token_id=eos), processor
 
 
-def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
+def create_engine(opts: ServeOptions, spawned: Any = None) -> tuple[Any, str, int]:
     """``(engine, model_id, max_model_len)``; raises ``ValueError`` on bad options and
     :class:`~ec_frontend.engine.core_proc.StartupError` when the engine cannot load.
-    ``opts.engine_mode`` picks the engine process (``multiprocess``) or a thread of
+    ``opts.engine_mode`` picks the engine process (``multiprocess``; ``spawned``: an
+    engine interpreter started ahead, see ``EngineProcess.spawn``) or a thread of
     this one (``inprocess``)."""
     load_plugins()
     config, path = engine_config(opts)
@@ -207,7 +208,7 @@ def create_engine(opts: ServeOptions) -> tuple[Any, str, int]:
             threads = max(1, len(os.sched_getaffinity(0)) - 1)
 
         level = log.getEffectiveLevel()
-        engine = MPEngineClient.start(config, cpu_threads=threads, log_level=level)
+        engine = MPEngineClient.start(config, cpu_threads=threads, log_level=level, spawned=spawned)
         return engine, config.model_id, config.scheduler.max_model_len
     import torch
 
