@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ec_frontend.engine.config import ConfigError
 from ec_frontend.entrypoints.launcher import ServeOptions
-from ec_frontend.entrypoints.real_engine import CPU_THREADS_ENV, cpu_threads
+from ec_frontend.entrypoints.real_engine import CPU_THREADS_ENV, cpu_threads, engine_process_threads
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,10 @@ def test_bad_thread_counts_are_config_errors(
         monkeypatch.setenv(CPU_THREADS_ENV, env)
     with pytest.raises(ConfigError):
         cpu_threads(ServeOptions(cpu_threads=flag), builtin=True)
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (3, 3), (4, 3), (16, 15)])
+def test_engine_process_threads_leave_a_core_to_the_server_from_4_cores(
+    cores: int, threads: int
+) -> None:
+    assert engine_process_threads(cores) == threads
