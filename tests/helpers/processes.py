@@ -10,6 +10,7 @@ if the process exits or does not become healthy in time.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 from ec_frontend.metrics import PREFIX, parse_text
@@ -25,10 +27,41 @@ STARTUP_TIMEOUT_S = 180.0
 LOG_TAIL_CHARS = 4000
 
 
+#: Ports :func:`free_port` handed out in this process (each is handed out once).
+_HANDED_OUT: set[int] = set()
+_PICK = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 by default on Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A 127.0.0.1 port that is free now, for a server that binds it seconds later.
+
+    It is drawn below the kernel's ephemeral range, so no port-0 listener (a side
+    channel) or outgoing connection is given it meanwhile, and it is never one this
+    process handed out before: a second server given the same port would fail to bind
+    while the first one answered its health checks."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PICK.randrange(10000, low) if low > 10100 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free loopback port")
 
 
 class Proc:
