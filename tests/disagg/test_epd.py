@@ -105,26 +105,27 @@ def chat(
         "logprobs": True,
         "top_logprobs": 2,
     }
-    if not stream:
-        r = client(p).chat.completions.create(**kwargs)
-        lps = r.choices[0].logprobs.content if r.choices[0].logprobs else []
-        assert r.usage is not None
-        return (
-            r.choices[0].message.content or "",
-            [(t.token, t.logprob) for t in lps or []],
-            r.usage.prompt_tokens,
-        )
-    text, lps, prompt = "", [], 0
-    for chunk in client(p).chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kwargs
-    ):
-        if chunk.usage is not None:
-            prompt = chunk.usage.prompt_tokens
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            if c.logprobs and c.logprobs.content:
-                lps += [(t.token, t.logprob) for t in c.logprobs.content]
-    return text, lps, prompt
+    with client(p) as api:
+        if not stream:
+            r = api.chat.completions.create(**kwargs)
+            lps = r.choices[0].logprobs.content if r.choices[0].logprobs else []
+            assert r.usage is not None
+            return (
+                r.choices[0].message.content or "",
+                [(t.token, t.logprob) for t in lps or []],
+                r.usage.prompt_tokens,
+            )
+        text, lps, prompt = "", [], 0
+        for chunk in api.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        ):
+            if chunk.usage is not None:
+                prompt = chunk.usage.prompt_tokens
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                if c.logprobs and c.logprobs.content:
+                    lps += [(t.token, t.logprob) for t in c.logprobs.content]
+        return text, lps, prompt
 
 
 _AGG: dict[str, tuple[str, list[tuple[str, float]], int]] = {}
@@ -236,8 +237,9 @@ def test_completions_through_prefill_and_decode(dep: dict[str, Proc]) -> None:
         "max_tokens": 6,
         "temperature": 0,
     }
-    want = client(dep["agg"]).completions.create(**kwargs).choices[0].text
-    assert client(dep["E+P+D"]).completions.create(**kwargs).choices[0].text == want
+    with client(dep["agg"]) as agg, client(dep["E+P+D"]) as epd:
+        want = agg.completions.create(**kwargs).choices[0].text
+        assert epd.completions.create(**kwargs).choices[0].text == want
 
 
 def test_request_id_travels_and_proxy_reports(dep: dict[str, Proc]) -> None:
