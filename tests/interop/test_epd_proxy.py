@@ -97,7 +97,11 @@ def dep(
 
 def ask(url: str, image: str, *, stream: bool) -> tuple[str, int | None]:
     """Greedy answer text (and prompt tokens, when not streamed) for one image."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        return _answer(client, image, stream=stream)
+
+
+def _answer(client: openai.OpenAI, image: str, *, stream: bool) -> tuple[str, int | None]:
     messages: Any = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image}},
         {"type": "text", "text": "describe it"}]}]  # fmt: skip

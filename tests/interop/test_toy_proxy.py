@@ -66,7 +66,11 @@ PROMPTS: list[Any] = [
 
 def ask(url: str, prompt: Any, *, stream: bool) -> list[str]:
     """The greedy answer's pieces (one per chunk when streamed)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        return _answer(client, prompt, stream=stream)
+
+
+def _answer(client: openai.OpenAI, prompt: Any, *, stream: bool) -> list[str]:
     common: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0.0}
     if isinstance(prompt, str):
         if not stream:
