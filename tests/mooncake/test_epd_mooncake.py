@@ -88,19 +88,20 @@ def chat(p: Proc, msgs: list[dict[str, Any]], *, stream: bool) -> tuple[str, int
     """``(text, prompt_tokens)`` of a greedy chat completion."""
     kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": msgs, "max_tokens": MAX_TOKENS,
                               "temperature": 0}  # fmt: skip
-    if not stream:
-        r = client(p).chat.completions.create(**kwargs)
-        assert r.usage is not None
-        return r.choices[0].message.content or "", r.usage.prompt_tokens
-    text, prompt = "", 0
-    for chunk in client(p).chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kwargs
-    ):
-        if chunk.usage is not None:
-            prompt = chunk.usage.prompt_tokens
-        for c in chunk.choices:
-            text += c.delta.content or ""
-    return text, prompt
+    with client(p) as api:
+        if not stream:
+            r = api.chat.completions.create(**kwargs)
+            assert r.usage is not None
+            return r.choices[0].message.content or "", r.usage.prompt_tokens
+        text, prompt = "", 0
+        for chunk in api.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        ):
+            if chunk.usage is not None:
+                prompt = chunk.usage.prompt_tokens
+            for c in chunk.choices:
+                text += c.delta.content or ""
+        return text, prompt
 
 
 _AGG: dict[str, tuple[str, int]] = {}
