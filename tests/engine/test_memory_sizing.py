@@ -202,5 +202,6 @@ def test_server_with_a_cache_of_one_sequence(builtin_model_dir: Path, vlm: Any) 
             )
         assert "max_tokens" in str(info.value)
         assert info.value.body is not None and info.value.body.get("param") == "max_tokens"
+        client.close()
     finally:
         assert server.stop() == 0

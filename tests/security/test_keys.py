@@ -112,9 +112,12 @@ def dep(builtin_model_dir: Path) -> Iterator[Deployment]:
     pd = serve(m, "pd", ec=side_channel_ec("ec_consumer"))
     procs = start_all([agg, e, pd])
     procs.append(proxy("proxy", encode=[e.url], decode=[pd.url]).wait_ready())
+    servers = (_Server(agg), _Server(pd))
     try:
-        yield Deployment(_Server(agg), _Server(pd), e, procs[3])
+        yield Deployment(*servers, e, procs[3])
     finally:
+        for server in servers:
+            server.client.close()
         codes = {p.name: p.stop() for p in procs}
     assert (codes["agg"], codes["e"], codes["pd"]) == (0, 0, 0)
 
@@ -180,10 +183,11 @@ def test_encoder_and_decoder_agree_on_salted_keys(dep: Deployment, uuid: str | N
     before = (e.metric("encoder_items_computed_total"), pd.metrics())
     client = openai.OpenAI(base_url=px.url + "/v1", api_key="unused", max_retries=0)
     body = _chat_body(VICTIM_PNG, uuid=uuid, salt=f"tenant-{uuid}")
-    r = client.chat.completions.create(
-        model=MODEL_NAME, messages=body["messages"], max_tokens=3, temperature=0,
-        extra_body={"cache_salt": body["cache_salt"]},
-    )  # fmt: skip
+    with client:
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=body["messages"], max_tokens=3, temperature=0,
+            extra_body={"cache_salt": body["cache_salt"]},
+        )  # fmt: skip
     assert r.choices[0].finish_reason in ("length", "stop")
     after = pd.metrics()
     assert e.metric("encoder_items_computed_total") == before[0] + 1
