@@ -301,10 +301,6 @@ class EngineProcess:
     @classmethod
     def launch(cls, spec: EngineSpec, num_clients: int = 1) -> EngineProcess:
         """Start the process for ``spec``; :meth:`wait_ready` waits for its model to load."""
-        try:
-            _dumps(spec)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise StartupError(f"the engine config cannot be sent to its process: {exc}") from None
         return cls.spawn(spec.kind, num_clients).send(spec)
 
     def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
