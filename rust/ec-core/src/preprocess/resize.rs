@@ -171,6 +171,10 @@ enum RowKernel {
     /// Three channels with SSE4.1 intrinsics (x86-64).
     #[cfg(target_arch = "x86_64")]
     Sse41x3,
+    /// Three channels with AVX2 intrinsics, eight rows at a time (x86-64); the rows
+    /// left over after the last block of eight go through [`RowKernel::Sse41x3`].
+    #[cfg(target_arch = "x86_64")]
+    Avx2Rows8,
 }
 
 impl RowKernel {
@@ -179,8 +183,13 @@ impl RowKernel {
             return Self::Generic;
         }
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("sse4.1") {
-            return Self::Sse41x3;
+        {
+            if std::is_x86_feature_detected!("avx2") {
+                return Self::Avx2Rows8;
+            }
+            if std::is_x86_feature_detected!("sse4.1") {
+                return Self::Sse41x3;
+            }
         }
         Self::Wide3
     }
@@ -223,38 +232,114 @@ fn row_wide3(line: &[u8], wide: &mut [[i32; 4]], c: &Coeffs, dst: &mut [u8]) {
     }
 }
 
-avx2_dispatch! {
-    /// The horizontal pass over `rows` of `src` (`in_width` pixels each).
-    fn horizontal(
-        src: &[u8],
+/// The horizontal pass of one resize: its weights and the scratch rows of its kernels,
+/// kept across the bands of rows it is run over.
+struct Horizontal<'a> {
+    in_width: usize,
+    channels: usize,
+    c: &'a Coeffs,
+    out_width: usize,
+    kernel: RowKernel,
+    wide: Vec<[i32; 4]>,
+    padded: Vec<u8>,
+    columns: Vec<u32>,
+}
+
+impl<'a> Horizontal<'a> {
+    fn new(
         in_width: usize,
-        rows: std::ops::Range<usize>,
         channels: usize,
-        c: &Coeffs,
+        c: &'a Coeffs,
         out_width: usize,
         kernel: RowKernel,
-    ) -> Result<Vec<u8>> {
-        let mut out = alloc::<u8>(rows.len() * out_width * channels)?;
-        let stride = in_width * channels;
-        let mut wide = alloc::<[i32; 4]>(if kernel == RowKernel::Wide3 { in_width } else { 0 })?;
-        // The row plus one byte: the SSE4.1 kernel loads four bytes per pixel.
-        let mut padded = alloc::<u8>(stride + 1)?;
+    ) -> Result<Self> {
+        #[cfg(target_arch = "x86_64")]
+        let eight = kernel == RowKernel::Avx2Rows8;
+        #[cfg(not(target_arch = "x86_64"))]
+        let eight = false;
+        Ok(Self {
+            in_width,
+            channels,
+            c,
+            out_width,
+            kernel,
+            wide: alloc(if kernel == RowKernel::Wide3 {
+                in_width
+            } else {
+                0
+            })?,
+            // The row plus one byte: the SSE4.1 kernel loads four bytes per pixel.
+            padded: alloc(in_width * channels + 1)?,
+            columns: alloc(if eight { in_width * 8 } else { 0 })?,
+        })
+    }
+
+    /// Rows `rows` of `src` into `out` (`rows.len()` output rows).
+    fn run(&mut self, src: &[u8], rows: std::ops::Range<usize>, out: &mut [u8]) {
+        horizontal_rows(self, src, rows, out);
+    }
+}
+
+avx2_dispatch! {
+    /// The horizontal pass over `rows` of `src` (`h.in_width` pixels each) into `out`.
+    fn horizontal_rows(
+        h: &mut Horizontal<'_>,
+        src: &[u8],
+        rows: std::ops::Range<usize>,
+        out: &mut [u8],
+    ) -> () {
+        let (channels, c) = (h.channels, h.c);
+        let stride = h.in_width * channels;
+        let out_stride = h.out_width * channels;
+        let (mut rows, mut kernel) = (rows, h.kernel);
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if kernel == RowKernel::Avx2Rows8 {
+            let blocks = rows.len() / 8;
+            for b in 0..blocks {
+                let first = rows.start + 8 * b;
+                let lines = &src[first * stride..(first + 8) * stride];
+                let dst = &mut out[8 * b * out_stride..8 * (b + 1) * out_stride];
+                // SAFETY: this kernel is chosen only where AVX2 is present.
+                unsafe { x86::horizontal3_rows8(lines, h.in_width, &mut h.columns, c, dst) };
+            }
+            rows = rows.start + 8 * blocks..rows.end;
+            done = 8 * blocks * out_stride;
+            kernel = RowKernel::Sse41x3;
+        }
+        let out = &mut out[done..];
         for (oy, y) in rows.enumerate() {
             let line = &src[y * stride..(y + 1) * stride];
-            let dst = &mut out[oy * out_width * channels..(oy + 1) * out_width * channels];
+            let dst = &mut out[oy * out_stride..(oy + 1) * out_stride];
             match kernel {
                 RowKernel::Generic => row_generic(line, channels, c, dst),
-                RowKernel::Wide3 => row_wide3(line, &mut wide, c, dst),
+                RowKernel::Wide3 => row_wide3(line, &mut h.wide, c, dst),
                 #[cfg(target_arch = "x86_64")]
                 RowKernel::Sse41x3 => {
-                    padded[..stride].copy_from_slice(line);
+                    h.padded[..stride].copy_from_slice(line);
                     // SAFETY: the kernel is chosen only where SSE4.1 is present.
-                    unsafe { x86::horizontal3(&padded, c, dst) };
+                    unsafe { x86::horizontal3(&h.padded, c, dst) };
                 }
+                #[cfg(target_arch = "x86_64")]
+                RowKernel::Avx2Rows8 => unreachable!("handled in blocks above"),
             }
         }
-        Ok(out)
     }
+}
+
+/// The horizontal pass over `rows` of `src` (`in_width` pixels each), in a new buffer.
+fn horizontal(
+    src: &[u8],
+    in_width: usize,
+    rows: std::ops::Range<usize>,
+    channels: usize,
+    c: &Coeffs,
+    out_width: usize,
+    kernel: RowKernel,
+) -> Result<Vec<u8>> {
+    let mut out = alloc::<u8>(rows.len() * out_width * channels)?;
+    Horizontal::new(in_width, channels, c, out_width, kernel)?.run(src, rows, &mut out);
+    Ok(out)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -290,19 +375,99 @@ mod x86 {
             dst[xx * 3..xx * 3 + 3].copy_from_slice(&bytes[..3]);
         }
     }
+
+    /// Eight rows of the 3-channel horizontal pass at once. The rows are first laid out
+    /// column by column (`columns[x * 8 + r]`: row `r`'s pixel `x` as R, G, B, 0), so
+    /// that one tap of one output pixel is the same weight for 32 lanes: four
+    /// multiply-adds of eight i32 lanes (two rows each) per tap, against one of four
+    /// lanes (three used) row by row. Sums, shift and clamping are the other kernels'.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `lines` holds 8 rows of `in_width` RGB pixels, `columns`
+    /// `in_width * 8` values, `dst` 8 rows of `c.starts.len()` RGB pixels, and every
+    /// window `c.starts[i] .. c.starts[i] + c.span` lies within `in_width`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn horizontal3_rows8(
+        lines: &[u8],
+        in_width: usize,
+        columns: &mut [u32],
+        c: &Coeffs,
+        dst: &mut [u8],
+    ) {
+        let (span, n) = (c.span, c.starts.len());
+        let stride = in_width * 3;
+        assert!(lines.len() >= 8 * stride && columns.len() >= 8 * in_width);
+        assert!(dst.len() >= 8 * n * 3 && n > 0);
+        assert!(c.starts.iter().all(|&s| s + span <= in_width));
+        for r in 0..8 {
+            let line = &lines[r * stride..(r + 1) * stride];
+            for (x, px) in line.chunks_exact(3).enumerate() {
+                columns[x * 8 + r] = u32::from_le_bytes([px[0], px[1], px[2], 0]);
+            }
+        }
+        let round = _mm256_set1_epi32(ROUND);
+        let base = columns.as_ptr() as *const u8;
+        let out = dst.as_mut_ptr();
+        let row_bytes = n * 3;
+        // Row order of the packed result's eight 32-bit lanes (see below).
+        const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+        let mut lanes = [0u32; 8];
+        for (xx, (&start, k)) in c.starts.iter().zip(c.padded.chunks_exact(span)).enumerate() {
+            let mut acc = [round; 4];
+            for (t, &w) in k.iter().enumerate() {
+                let w = _mm256_set1_epi32(w);
+                let at = base.add((start + t) * 32);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    // Rows 2j and 2j+1: two pixels of four bytes, widened to eight lanes.
+                    let two = _mm_loadl_epi64(at.add(8 * j) as *const __m128i);
+                    *a = _mm256_add_epi32(*a, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(two), w));
+                }
+            }
+            const BITS: i32 = PRECISION_BITS as i32;
+            let a0 = _mm256_srai_epi32::<BITS>(acc[0]);
+            let a1 = _mm256_srai_epi32::<BITS>(acc[1]);
+            let a2 = _mm256_srai_epi32::<BITS>(acc[2]);
+            let a3 = _mm256_srai_epi32::<BITS>(acc[3]);
+            // Within each 128-bit half, packs interleave their two inputs: the low half
+            // ends up with rows 0, 2, 4, 6 and the high half with rows 1, 3, 5, 7.
+            let lo = _mm256_packs_epi32(a0, a1);
+            let hi = _mm256_packs_epi32(a2, a3);
+            let bytes = _mm256_packus_epi16(lo, hi);
+            _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, bytes);
+            for (lane, &row) in ORDER.iter().enumerate() {
+                let p = out.add(row * row_bytes + xx * 3);
+                let px = lanes[lane].to_le_bytes();
+                if xx + 1 < n {
+                    // Four bytes: the fourth is the next pixel's first, written next.
+                    (p as *mut [u8; 4]).write_unaligned(px);
+                } else {
+                    std::ptr::copy_nonoverlapping(px.as_ptr(), p, 3);
+                }
+            }
+        }
+    }
 }
 
 /// Columns accumulated in registers at once by the vertical pass.
 const LANES: usize = 32;
 
 avx2_dispatch! {
-    /// The vertical pass: output row `yy` from rows `ymin - first_row ..` of `src`.
-    fn vertical(src: &[u8], row_len: usize, c: &Coeffs, first_row: usize) -> Result<Vec<u8>> {
-        let mut out = alloc::<u8>(c.bounds.len() * row_len)?;
-        for (yy, &(ymin, taps)) in c.bounds.iter().enumerate() {
+    /// The vertical pass: output rows `yys` into `out`, from `src` holding the input
+    /// rows from `first_row` on.
+    fn vertical_rows(
+        src: &[u8],
+        row_len: usize,
+        c: &Coeffs,
+        first_row: usize,
+        yys: std::ops::Range<usize>,
+        out: &mut [u8],
+    ) -> () {
+        let first_out = yys.start;
+        for yy in yys {
+            let (ymin, taps) = c.bounds[yy];
             let k = &c.weights[yy * c.ksize..yy * c.ksize + taps];
             let base = (ymin - first_row) * row_len;
-            let dst = &mut out[yy * row_len..(yy + 1) * row_len];
+            let dst = &mut out[(yy - first_out) * row_len..(yy - first_out + 1) * row_len];
             let mut x = 0;
             while x + LANES <= row_len {
                 let mut acc = [ROUND; LANES];
@@ -326,8 +491,74 @@ avx2_dispatch! {
                 *o = clip8(a);
             }
         }
-        Ok(out)
     }
+}
+
+/// The vertical pass over every output row, in a new buffer.
+fn vertical(src: &[u8], row_len: usize, c: &Coeffs, first_row: usize) -> Result<Vec<u8>> {
+    let mut out = alloc::<u8>(c.bounds.len() * row_len)?;
+    vertical_rows(src, row_len, c, first_row, 0..c.bounds.len(), &mut out);
+    Ok(out)
+}
+
+/// Output rows per band of [`horizontal_then_vertical`].
+const BAND: usize = 32;
+
+/// The horizontal pass, then the vertical one, band by band: for each [`BAND`] output
+/// rows, the horizontal pass fills in the input rows their windows reach that the band
+/// buffer does not hold yet (windows of neighbouring rows overlap, so those already
+/// there move to its front), then the vertical pass reads them there. Each input row
+/// goes through the horizontal pass once, as in one pass over all rows, and the rows
+/// in between stay in cache instead of making a second image-sized buffer.
+fn horizontal_then_vertical(
+    src: &[u8],
+    in_w: usize,
+    channels: usize,
+    horiz: &Coeffs,
+    vert: &Coeffs,
+    out_w: usize,
+) -> Result<Vec<u8>> {
+    let row_len = out_w * channels;
+    let out_h = vert.bounds.len();
+    let window = |y0: usize, y1: usize| {
+        let (last, taps) = vert.bounds[y1 - 1];
+        (vert.bounds[y0].0, last + taps)
+    };
+    let bands = || {
+        (0..out_h)
+            .step_by(BAND)
+            .map(|y0| (y0, (y0 + BAND).min(out_h)))
+    };
+    let most = bands()
+        .map(|(y0, y1)| {
+            let (a, b) = window(y0, y1);
+            b - a
+        })
+        .max()
+        .unwrap_or(0);
+    let mut band = alloc::<u8>(most * row_len)?;
+    let mut out = alloc::<u8>(out_h * row_len)?;
+    let mut h = Horizontal::new(in_w, channels, horiz, out_w, RowKernel::best(channels))?;
+    // Input rows `lo..hi` are in `band`, from its start.
+    let (mut lo, mut hi) = (0, 0);
+    for (y0, y1) in bands() {
+        let (a, b) = window(y0, y1);
+        if a < hi {
+            band.copy_within((a - lo) * row_len..(hi - lo) * row_len, 0);
+        } else {
+            hi = a;
+        }
+        lo = a;
+        h.run(
+            src,
+            hi..b,
+            &mut band[(hi - lo) * row_len..(b - lo) * row_len],
+        );
+        hi = b;
+        let dst = &mut out[y0 * row_len..y1 * row_len];
+        vertical_rows(&band[..(b - lo) * row_len], row_len, vert, lo, y0..y1, dst);
+    }
+    Ok(out)
 }
 
 /// Resizes an interleaved 8-bit image of `channels` channels from `in_w`x`in_h` to
@@ -377,15 +608,14 @@ pub fn resize(
                 RowKernel::best(channels),
             )
         }
-        (true, true) => {
-            let vert = coeffs(in_h, out_h, filter);
-            let first = vert.bounds.first().map_or(0, |b| b.0);
-            let last = vert.bounds.last().map_or(in_h, |b| b.0 + b.1);
-            let horiz = coeffs(in_w, out_w, filter);
-            let kernel = RowKernel::best(channels);
-            let tmp = horizontal(src, in_w, first..last, channels, &horiz, out_w, kernel)?;
-            vertical(&tmp, out_w * channels, &vert, first)
-        }
+        (true, true) => horizontal_then_vertical(
+            src,
+            in_w,
+            channels,
+            &coeffs(in_w, out_w, filter),
+            &coeffs(in_h, out_h, filter),
+            out_w,
+        ),
     }
 }
 
@@ -423,6 +653,10 @@ mod tests {
         if std::is_x86_feature_detected!("sse4.1") {
             kernels.push(RowKernel::Sse41x3);
         }
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            kernels.push(RowKernel::Avx2Rows8);
+        }
         let sizes = [
             (1, 1),
             (1, 7),
@@ -434,16 +668,45 @@ mod tests {
             (3000, 56),
         ];
         for (seed, &(in_w, out_w)) in sizes.iter().enumerate() {
-            let rows = 3;
-            let src = noise(in_w * rows * 3, seed as u64);
+            // Rows 1..20 of 21: two blocks of eight and three left over.
+            let rows = 1..20;
+            let src = noise(in_w * 21 * 3, seed as u64);
             for filter in [Filter::Bicubic, Filter::Bilinear] {
                 let c = coeffs(in_w, out_w, filter);
                 let want =
-                    horizontal(&src, in_w, 0..rows, 3, &c, out_w, RowKernel::Generic).unwrap();
+                    horizontal(&src, in_w, rows.clone(), 3, &c, out_w, RowKernel::Generic).unwrap();
                 for &kernel in &kernels {
-                    let got = horizontal(&src, in_w, 0..rows, 3, &c, out_w, kernel).unwrap();
+                    let got = horizontal(&src, in_w, rows.clone(), 3, &c, out_w, kernel).unwrap();
                     assert_eq!(got, want, "{kernel:?} {in_w}->{out_w} {filter:?}");
                 }
+            }
+        }
+    }
+
+    /// The banded passes give the bytes of one horizontal pass over every row the
+    /// vertical pass reads followed by one vertical pass: sizes that grow, shrink a
+    /// little and a lot (windows of many rows), bands that end mid-image and exactly.
+    #[test]
+    fn bands_agree_with_whole_passes() {
+        let sizes = [
+            (5, 3, 7, 9),
+            (1280, 720, 1288, 728),
+            (300, 97, 280, 64),
+            (64, 1000, 60, 101),
+            (40, 64, 48, 2 * BAND),
+            (33, 3000, 41, 56),
+        ];
+        for (seed, &(in_w, in_h, out_w, out_h)) in sizes.iter().enumerate() {
+            let src = noise(in_w * in_h * 3, seed as u64 + 40);
+            for filter in [Filter::Bicubic, Filter::Bilinear] {
+                let (horiz, vert) = (coeffs(in_w, out_w, filter), coeffs(in_h, out_h, filter));
+                let first = vert.bounds[0].0;
+                let last = vert.bounds.last().map(|&(y, taps)| y + taps).unwrap();
+                let kernel = RowKernel::best(3);
+                let tmp = horizontal(&src, in_w, first..last, 3, &horiz, out_w, kernel).unwrap();
+                let want = vertical(&tmp, out_w * 3, &vert, first).unwrap();
+                let got = horizontal_then_vertical(&src, in_w, 3, &horiz, &vert, out_w).unwrap();
+                assert_eq!(got, want, "{in_w}x{in_h} -> {out_w}x{out_h} {filter:?}");
             }
         }
     }
