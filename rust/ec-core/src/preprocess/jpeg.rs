@@ -14,7 +14,7 @@ use mozjpeg::{ColorSpace, Decompress};
 use mozjpeg_sys::{jpeg_common_struct, jpeg_error_mgr, jpeg_std_error};
 
 use super::decode::RgbImage;
-use super::{PreprocessError, Result};
+use super::{reserve, PreprocessError, Result};
 
 thread_local! {
     /// Set by [`emit_message`] when libjpeg hit the end of the data early.
@@ -107,7 +107,12 @@ pub(crate) fn decode_rgb(data: &[u8]) -> Result<RgbImage> {
             ColorSpace::JCS_RGB
         };
         let mut started = d.to_colorspace(target)?;
-        let raw = started.read_scanlines::<u8>()?;
+        let n = started.min_flat_buffer_size();
+        let mut raw = reserve::<u8>(n).map_err(|_| std::io::ErrorKind::OutOfMemory)?;
+        let read = started.read_scanlines_into_uninit(&mut raw.spare_capacity_mut()[..n])?;
+        let read = read.len();
+        // SAFETY: the decoder wrote the first `read` bytes (it returns the slice written).
+        unsafe { raw.set_len(read) };
         started.finish()?;
         let data = if cmyk { cmyk_to_rgb(&raw) } else { raw };
         Ok(RgbImage {
