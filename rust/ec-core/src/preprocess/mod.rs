@@ -78,36 +78,12 @@ pub(crate) fn alloc<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
 /// An empty vector with room for `n` values (filled by the caller in order, so no time
 /// goes into zeroing it first), or [`PreprocessError::OutOfMemory`].
 pub(crate) fn reserve<T>(n: usize) -> Result<Vec<T>> {
-    let mut v: Vec<T> = Vec::new();
+    let mut v = Vec::new();
     v.try_reserve_exact(n)
         .map_err(|_| PreprocessError::OutOfMemory {
             bytes: n.saturating_mul(std::mem::size_of::<T>()),
         })?;
-    huge_pages(
-        v.as_mut_ptr().cast(),
-        v.capacity() * std::mem::size_of::<T>(),
-    );
     Ok(v)
-}
-
-/// Asks the kernel to back the 2 MiB-aligned part of a large, not yet touched buffer
-/// with transparent huge pages (where THP is in `madvise` mode, as on most distributions):
-/// an image-sized buffer is then faulted in 2 MiB at a time instead of 4 KiB, which
-/// for a 12-megapixel image's 288 MB of `pixel_values` is most of the time spent writing
-/// them. Only advice: nothing changes where the kernel declines.
-fn huge_pages(ptr: *mut u8, bytes: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = (ptr as usize).next_multiple_of(HUGE);
-        let end = (ptr as usize + bytes) & !(HUGE - 1);
-        if end > start {
-            // SAFETY: the range lies inside this allocation; MADV_HUGEPAGE changes no
-            // contents and no mapping, only how future faults in it are served.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        }
-    }
-    let _ = (ptr, bytes);
 }
 
 impl PreprocessError {
