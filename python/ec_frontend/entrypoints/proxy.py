@@ -194,6 +194,10 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
+    if not isinstance(exc, httpx.HTTPError):
+        # A failure of the exchange that httpx did not map to its own errors (a socket
+        # torn down under it, say): the upstream is as unusable, and the trace is kept.
+        log.warning("request to %s failed outside httpx's errors", url, exc_info=exc)
     return UpstreamError(502, error_body(502, f"{url}: {exc!r}", code))
 
 
@@ -309,7 +313,7 @@ class Proxy:
             resp = await self.client.post(
                 url, content=orjson.dumps(body), headers=headers, timeout=timeout
             )
-        except httpx.HTTPError as exc:
+        except Exception as exc:
             raise _unreachable(url, exc, "upstream_unreachable") from None
         if resp.status_code != 200:
             raise UpstreamError(resp.status_code, resp.content)
@@ -526,14 +530,14 @@ class Proxy:
         started = time.perf_counter()
         try:
             resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as exc:
+        except Exception as exc:
             raise _unreachable(url, exc, "upstream_unreachable") from None
         self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - started)
         media_type = resp.headers.get("content-type", "application/json")
         if resp.status_code != 200 or not media_type.startswith("text/event-stream"):
             try:
                 content = await resp.aread()
-            except httpx.HTTPError as exc:
+            except Exception as exc:
                 raise _unreachable(url, exc, "upstream_broken") from None
             finally:
                 await resp.aclose()
@@ -543,7 +547,9 @@ class Proxy:
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
-            except httpx.HTTPError as exc:
+            except Exception as exc:
+                if not isinstance(exc, httpx.HTTPError):
+                    log.warning("decode stream from %s failed", url, exc_info=exc)
                 message = f"decode stream broke: {exc!r}"
                 yield b"data: " + error_body(502, message, "upstream_broken") + b"\n\n"
             finally:
@@ -560,9 +566,22 @@ class Proxy:
         return Response(resp.content, resp.status_code, media_type="application/json")
 
 
+async def _proxy_error(request: Request, exc: Exception) -> Response:
+    """A failure of the proxy's own: an OpenAI-style 500, logged with its trace."""
+    log.error("proxy error on %s", request.url.path, exc_info=exc)
+    return Response(error_body(500, f"proxy error: {exc!r}", "proxy_error"), 500,
+                    media_type="application/json")  # fmt: skip
+
+
 def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     proxy = Proxy(config)
-    app = FastAPI(title="ec-frontend proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="ec-frontend proxy",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        exception_handlers={Exception: _proxy_error},
+    )
 
     def route(path: str, endpoint: str) -> Any:
         async def handler(request: Request) -> Response:

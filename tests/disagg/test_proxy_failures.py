@@ -1,0 +1,104 @@
+"""The proxy's answers when an exchange fails outside httpx's own errors, or the proxy
+itself fails: the next encoder is tried, and nothing comes back as a bare 500.
+
+A dying encoder's socket can fail under httpx with an exception httpx does not map to
+its ``HTTPError`` family; it cannot be produced on demand with real processes, so the
+upstream instances here are an ``httpx.MockTransport`` whose encoder ``e1`` raises such an
+exception (the real-process version of the scenario is
+``tests/disagg/test_faults.py::test_encoder_killed_mid_run_requests_still_answered``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import orjson
+from ec_frontend.entrypoints.proxy import ProxyConfig, build_proxy_app
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "what"}, IMAGE]}],
+    "max_tokens": 4,
+}
+ENCODER_PARAMS = {"f" * 64: {"num_tokens": 4, "peer_host": "127.0.0.1"}}
+
+
+def upstreams(seen: dict[str, list[Any]]) -> httpx.MockTransport:
+    """``e1`` fails below httpx, ``e2`` encodes, ``d`` answers and records its body."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        seen.setdefault(host, []).append(json.loads(request.content))
+        if host == "e1":
+            raise ConnectionResetError(104, "Connection reset by peer")
+        if host == "e2":
+            return httpx.Response(200, json={"ec_transfer_params": ENCODER_PARAMS})
+        return httpx.Response(200, json={"object": "chat.completion", "choices": []})
+
+    return httpx.MockTransport(handle)
+
+
+def post(app: Any, body: dict[str, Any]) -> httpx.Response:
+    async def go() -> httpx.Response:
+        # As a server would: the app's answer, not the exception Starlette re-raises
+        # after sending it (for the server to log).
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.post("/v1/chat/completions", json=body)
+
+    return asyncio.run(go())
+
+
+def proxy_app(seen: dict[str, list[Any]]) -> tuple[Any, Any]:
+    config = ProxyConfig(encode_urls=("http://e1", "http://e2"), decode_urls=("http://d",))
+    app, proxy = build_proxy_app(config)
+    proxy.client = httpx.AsyncClient(transport=upstreams(seen))
+    return app, proxy
+
+
+def test_an_encoder_failing_outside_httpx_errors_is_skipped() -> None:
+    seen: dict[str, list[Any]] = {}
+    app, proxy = proxy_app(seen)
+    r = post(app, BODY)
+    assert r.status_code == 200, r.text
+    assert len(seen["e1"]) == 1 and len(seen["e2"]) == 1
+    assert seen["d"][0]["ec_transfer_params"] == ENCODER_PARAMS
+    assert proxy.metrics.encoder_retries.get() == 1
+    assert proxy.metrics.encoder_requests.get(("failed",)) == 1
+    assert "x-ec-fallback" not in r.headers
+
+
+def test_decode_failing_outside_httpx_errors_is_a_502() -> None:
+    seen: dict[str, list[Any]] = {}
+    app, proxy = proxy_app(seen)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+    config = ProxyConfig(encode_urls=(), decode_urls=("http://d",))
+    proxy.config = config
+    r = post(app, BODY)
+    assert r.status_code == 502, r.text
+    error = orjson.loads(r.content)["error"]
+    assert error["code"] == "upstream_unreachable"
+    assert "http://d" in error["message"] and "ConnectionResetError" in error["message"]
+
+
+def test_a_failure_of_the_proxy_itself_is_an_openai_style_500() -> None:
+    seen: dict[str, list[Any]] = {}
+    app, proxy = proxy_app(seen)
+
+    async def broken(*args: Any) -> Any:
+        raise RuntimeError("route table corrupted")
+
+    proxy._route = broken
+    r = post(app, BODY)
+    assert r.status_code == 500
+    error = orjson.loads(r.content)["error"]
+    assert error["code"] == "proxy_error"
+    assert "route table corrupted" in error["message"]
