@@ -253,6 +253,11 @@ impl<'a> Horizontal<'a> {
         out_width: usize,
         kernel: RowKernel,
     ) -> Result<Self> {
+        // The x86 kernels' bound on their loads, checked once here rather than per row.
+        assert!(
+            c.starts.iter().all(|&s| s + c.span <= in_width),
+            "resampling windows must lie inside the row"
+        );
         #[cfg(target_arch = "x86_64")]
         let eight = kernel == RowKernel::Avx2Rows8;
         #[cfg(not(target_arch = "x86_64"))]
@@ -353,13 +358,15 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU has SSE4.1; `line` is the input row plus at least one byte more (the
-    /// fourth lane of the last pixel's load); `dst` holds `c.starts.len()` pixels.
+    /// fourth lane of the last pixel's load); `dst` holds `c.starts.len()` pixels; every
+    /// window `c.starts[i] .. c.starts[i] + c.span` lies within the row (as
+    /// `Horizontal::new` checks).
     #[target_feature(enable = "sse4.1")]
     pub(super) unsafe fn horizontal3(line: &[u8], c: &Coeffs, dst: &mut [u8]) {
         let span = c.span;
         let n = c.starts.len();
         assert!(dst.len() >= n * 3);
-        assert!(c.starts.iter().all(|&s| (s + span) * 3 < line.len()));
+        debug_assert!(c.starts.iter().all(|&s| (s + span) * 3 < line.len()));
         let round = _mm_set1_epi32(ROUND);
         for (xx, (&start, k)) in c.starts.iter().zip(c.padded.chunks_exact(span)).enumerate() {
             let base = line.as_ptr().add(start * 3);
@@ -385,7 +392,8 @@ mod x86 {
     /// # Safety
     /// The CPU has AVX2; `lines` holds 8 rows of `in_width` RGB pixels, `columns`
     /// `in_width * 8` values, `dst` 8 rows of `c.starts.len()` RGB pixels, and every
-    /// window `c.starts[i] .. c.starts[i] + c.span` lies within `in_width`.
+    /// window `c.starts[i] .. c.starts[i] + c.span` lies within `in_width` (as
+    /// `Horizontal::new` checks).
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn horizontal3_rows8(
         lines: &[u8],
@@ -398,7 +406,7 @@ mod x86 {
         let stride = in_width * 3;
         assert!(lines.len() >= 8 * stride && columns.len() >= 8 * in_width);
         assert!(dst.len() >= 8 * n * 3 && n > 0);
-        assert!(c.starts.iter().all(|&s| s + span <= in_width));
+        debug_assert!(c.starts.iter().all(|&s| s + span <= in_width));
         for r in 0..8 {
             let line = &lines[r * stride..(r + 1) * stride];
             for (x, px) in line.chunks_exact(3).enumerate() {
