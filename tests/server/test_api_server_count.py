@@ -101,6 +101,13 @@ def listening_servers(parent: int, port: int) -> set[int]:
     }
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
 def engines(parent: int) -> set[int]:
     """Engine processes (``engine/core_proc.py``) below ``parent``."""
     found = set()
@@ -254,7 +261,12 @@ def test_a_dead_server_stops_the_group() -> None:
         victims = listening_servers(server.proc.pid, server.port)
         assert len(victims) == 2
         os.kill(min(victims), signal.SIGKILL)
-        assert server.proc.wait(30) != 0
+        try:
+            code = server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            left = {pid: _cmdline(pid) for pid in alive(tree)}
+            pytest.fail(f"the group still runs 30 s on: {left}\n{server.log()}")
+        assert code != 0
         assert "stopping the group" in server.output()
     finally:
         server.kill()
