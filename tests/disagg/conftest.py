@@ -17,10 +17,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, signed
 from ec_frontend.engine.config import TRANSFER_SECRET_ENV
 from PIL import Image
@@ -114,3 +117,37 @@ def messages(text: str, *urls: str) -> list[dict[str, Any]]:
     content: list[dict[str, Any]] = [image_part(u) for u in urls]
     content.append({"type": "text", "text": text})
     return [{"role": "user", "content": content}]
+
+
+class RelayEncoder:
+    """An encoder as a proxy sees it, in front of a real one: each request is passed to
+    ``real`` (an ``ec-frontend serve`` URL) and a 200 answer's ``ec_transfer_params``
+    go through ``change`` first (a test plays what happened to the items meanwhile: the
+    encoder died, the store evicted them)."""
+
+    def __init__(self, real: str, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                r = httpx.post(real + self.path, content=body, timeout=60,
+                               headers={"content-type": "application/json"})  # fmt: skip
+                data = r.json()
+                if r.status_code == 200 and data.get("ec_transfer_params"):
+                    data["ec_transfer_params"] = change(data["ec_transfer_params"])
+                out = json.dumps(data).encode()
+                self.send_response(r.status_code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

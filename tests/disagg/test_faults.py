@@ -12,6 +12,7 @@ rely on what earlier ones killed):
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -21,10 +22,12 @@ from typing import Any
 
 import httpx
 import pytest
+from ec_frontend.entrypoints.proxy import as_references, item_uuid, part_key
 
 from ..helpers.processes import Proc, free_port, start_all
 from .conftest import (
     MODEL_NAME,
+    RelayEncoder,
     messages,
     png_data_url,
     proxy,
@@ -209,6 +212,93 @@ def prefill(pd: Proc, ids: list[int]) -> dict[str, Any]:
     r = httpx.post(pd.url + "/inference/v1/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
+
+
+def referenced(e: Proc, image: str, port: int) -> dict[str, Any]:
+    """A chat body as the proxy sends it on after ``e`` encoded ``image`` (a
+    metadata-only reference and the encoder's params), with the params naming
+    ``port`` as the encoder's side channel: an encoder that answered, then died."""
+    body = {"model": MODEL_NAME, "messages": messages("ref", image), "max_tokens": 4}
+    part = body["messages"][0]["content"][0]
+    item = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": [{**part, "uuid": item_uuid(part)}]}],
+        "max_tokens": 1,
+    }
+    r = httpx.post(e.url + "/v1/chat/completions", json=item, timeout=60)
+    assert r.status_code == 200, r.text
+    params = r.json()["ec_transfer_params"]
+    (entry,) = params.values()
+    out = as_references(body, {part_key(part): entry["metadata"]["image_grid_thw"]})
+    out["ec_transfer_params"] = resign_ec(params, peer_port=port)
+    out["temperature"] = 0
+    return out
+
+
+def stream_error(r: httpx.Response) -> dict[str, Any]:
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.strip()]
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert len(errors) == 1, r.text
+    return errors[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reference_whose_encoder_is_gone_is_a_502(dep: dict[str, Any], stream: bool) -> None:
+    """The reference carries no image, so there is nothing to encode locally: the request
+    fails with ``ec_item_unavailable`` (a proxy then sends the image), the rest goes on."""
+    pd = dep["pd"]
+    body = referenced(dep["e2"], fresh_image(), free_port())
+    fallbacks = metric(pd, "ec_load_fallbacks_total")
+    r = httpx.post(pd.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+    if stream:
+        assert r.status_code == 200, r.text
+        error = stream_error(r)
+    else:
+        assert r.status_code == 502, r.text
+        error = r.json()["error"]
+    assert error["code"] == "ec_item_unavailable", error
+    assert "EC transfer of media item" in error["message"], error
+    assert metric(pd, "ec_load_fallbacks_total") == fallbacks + 1
+    assert chat(pd.url, messages("still here", fresh_image())).status_code == 200
+
+
+def test_the_proxy_sends_the_image_when_the_encoded_item_is_gone(dep: dict[str, Any]) -> None:
+    """E+PD through the proxy, the encoder gone between its answer and PD's pull: the
+    proxy sends the request again with its image inline; PD encodes it; the answer
+    equals the one for the image sent straight to PD."""
+    pd = dep["pd"]
+    # The encoder answers, then is gone before PD pulls: its params name a dead port.
+    dead_port = free_port()
+    encoder = RelayEncoder(dep["e2"].url, lambda p: resign_ec(p, peer_port=dead_port))
+    px = proxy("px_dying", encode=[encoder.url], decode=[pd.url])
+    try:
+        start_all([px])
+        for stream in (False, True):
+            image = fresh_image()
+            computed = metric(pd, "encoder_items_computed_total")
+            body = {"model": MODEL_NAME, "messages": messages("what", image), "max_tokens": 4,
+                    "temperature": 0, "stream": stream}  # fmt: skip
+            r = httpx.post(px.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers.get("x-ec-fallback") == "local-encode"
+            assert "error" not in r.text, r.text
+            assert metric(pd, "encoder_items_computed_total") == computed + 1
+            text = (
+                "".join(
+                    json.loads(e.removeprefix("data: "))["choices"][0]["delta"].get("content", "")
+                    for e in r.text.split("\n\n")
+                    if e.startswith("data: {")
+                )
+                if stream
+                else r.json()["choices"][0]["message"]["content"]
+            )
+            direct = chat(pd.url, messages("what", image))
+            assert direct.status_code == 200, direct.text
+            assert text == direct.json()["choices"][0]["message"]["content"]
+        assert metric(px, "proxy_reference_retries_total") == 2
+    finally:
+        px.stop()
+        encoder.close()
 
 
 def test_unpulled_kv_is_freed_after_the_ttl(dep: dict[str, Any]) -> None:

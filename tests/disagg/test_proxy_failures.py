@@ -6,6 +6,8 @@ its ``HTTPError`` family; it cannot be produced on demand with real processes, s
 upstream instances here are an ``httpx.MockTransport`` whose encoder ``e1`` raises such an
 exception (the real-process version of the scenario is
 ``tests/disagg/test_faults.py::test_encoder_killed_mid_run_requests_still_answered``).
+An instance that cannot load an item the request only references gets the client's
+body (image inline) once more; other errors are passed back as they are.
 """
 
 from __future__ import annotations
@@ -102,3 +104,58 @@ def test_a_failure_of_the_proxy_itself_is_an_openai_style_500() -> None:
     error = orjson.loads(r.content)["error"]
     assert error["code"] == "proxy_error"
     assert "route table corrupted" in error["message"]
+
+
+def test_prefill_that_cannot_load_an_encoded_item_gets_the_image_inline() -> None:
+    """E+P+D: prefill answers that the encoder's item is gone; the proxy sends prefill
+    the client's body (image inline, no ec params) and goes on to decode."""
+    seen: dict[str, list[Any]] = {}
+    kv = {"do_remote_prefill": True, "remote_request_id": "r"}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        body = json.loads(request.content)
+        seen.setdefault(host, []).append(body)
+        if host == "e2":
+            return httpx.Response(200, json={"ec_transfer_params": ENCODER_PARAMS})
+        if host == "p" and "ec_transfer_params" in body:
+            error = {"message": "EC transfer of media item f failed", "type": "upstream_error",
+                     "param": None, "code": "ec_item_unavailable"}  # fmt: skip
+            return httpx.Response(502, json={"error": error})
+        if host == "p":
+            return httpx.Response(200, json={"kv_transfer_params": kv})
+        return httpx.Response(200, json={"object": "chat.completion", "choices": []})
+
+    config = ProxyConfig(
+        encode_urls=("http://e2",), prefill_urls=("http://p",), decode_urls=("http://d",)
+    )
+    app, proxy = build_proxy_app(config)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    r = post(app, BODY)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ec-fallback"] == "local-encode"
+    first, second = seen["p"]
+    assert first["ec_transfer_params"] == ENCODER_PARAMS
+    assert "ec_transfer_params" not in second
+    assert second["messages"] == BODY["messages"]
+    assert seen["d"][0]["kv_transfer_params"] == kv
+    assert proxy.metrics.reference_retries.get() == 1
+
+
+def test_other_errors_are_not_retried() -> None:
+    seen: dict[str, list[Any]] = {}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.setdefault(request.url.host, []).append(json.loads(request.content))
+        if request.url.host == "e2":
+            return httpx.Response(200, json={"ec_transfer_params": ENCODER_PARAMS})
+        error = {"message": "bad", "type": "invalid_request_error", "param": None,
+                 "code": "invalid_input"}  # fmt: skip
+        return httpx.Response(400, json={"error": error})
+
+    config = ProxyConfig(encode_urls=("http://e2",), decode_urls=("http://d",))
+    app, proxy = build_proxy_app(config)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    r = post(app, BODY)
+    assert r.status_code == 400 and len(seen["d"]) == 1
+    assert proxy.metrics.reference_retries.get() == 0

@@ -221,7 +221,8 @@ def test_item_without_source_fails_alone(h: Any) -> None:
     sched.add_request(h.fake_request("good", 10, max_tokens=2))
     _, outs = drive(sched, h)
     final = {o.request_id: o for o in outs if o.finished}
-    assert final["bad"].finish_reason == "error" and "no pixel values" in final["bad"].error
+    assert final["bad"].finish_reason == "error"
+    assert "carries no image to encode" in final["bad"].error
     assert final["good"].finish_reason == "length"
     assert_clean(sched)
 

@@ -179,8 +179,8 @@ def reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
          "ec_transfer_params"),
         ("agg", embeds_body(reference([1, 4, 4])), "messages[0].content[0].image_embeds"),
         # A well-formed reference whose output no connector can load: that request fails.
-        ("pd_ex", embeds_body(reference([1, 4, 4])), "invalid_input"),
-        ("pd_sc", embeds_body(reference([1, 4, 4])), "invalid_input"),
+        ("pd_ex", embeds_body(reference([1, 4, 4])), "ec_item_unavailable"),
+        ("pd_sc", embeds_body(reference([1, 4, 4])), "ec_item_unavailable"),
     ],
 )  # fmt: skip
 def test_bad_references_are_400_and_the_instance_stays_healthy(

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +131,25 @@ def store_ec(role: str, master: Master, **extra: Any) -> dict[str, Any]:
 def mooncake_kv(role: str, **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "MooncakeConnector", "kv_role": role,
             "kv_connector_extra_config": {"protocol": "tcp", **extra}}  # fmt: skip
+
+
+def raw_client(master: Master) -> Any:
+    """A plain Mooncake Store client of ``master`` (the test's own, to look into the store)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    ret = store.setup(
+        "127.0.0.1", master.metadata_server, 16 << 20, 16 << 20, "tcp", "", master.address
+    )
+    assert ret == 0
+    return store
+
+
+def until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether ``check()`` came true within ``timeout_s`` (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

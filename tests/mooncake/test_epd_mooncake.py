@@ -27,9 +27,9 @@ import httpx
 import openai
 import pytest
 
-from ..disagg.conftest import MODEL_NAME, messages, png_data_url, proxy, serve
+from ..disagg.conftest import MODEL_NAME, RelayEncoder, messages, png_data_url, proxy, serve
 from ..helpers.processes import Proc, start_all
-from .conftest import Master, mooncake_kv, store_ec
+from .conftest import Master, mooncake_kv, raw_client, store_ec, until
 
 pytestmark = pytest.mark.slow
 
@@ -165,6 +165,36 @@ def test_decode_computes_no_prompt_token(dep: dict[str, Any]) -> None:
     assert dep["p"].settled_metric("kv_requests_held", 0, timeout_s=5) == 0
     assert delta(before, dep, "p", "kv_tokens_sent_total") == prompt
     assert_idle(dep, "p", "d")
+
+
+def test_an_item_evicted_before_pd_reads_it(dep: dict[str, Any]) -> None:
+    """The store drops the item between the encoder's answer and PD's read (a relay in
+    front of the encoder evicts it): PD holds only the reference, so the proxy sends the
+    image inline and PD encodes it; the answers are the aggregated ones."""
+    raw = raw_client(dep["master"])
+
+    def evict(params: dict[str, Any]) -> dict[str, Any]:
+        for entry in params.values():
+            # Removable once the master's lease (200 ms) on the fresh item ran out.
+            assert until(lambda key=entry["key"]: raw.remove(key) == 0)
+        return params
+
+    relay = RelayEncoder(dep["e"].url, evict)
+    px = proxy("px_evict", encode=[relay.url], decode=[dep["pd1"].url])
+    try:
+        start_all([px])
+        before = metrics(dep, "pd1")
+        for stream, color in ((False, (5, 90, 170)), (True, (170, 5, 90))):
+            msgs = messages("Evicted?", png_data_url(70, color))
+            assert chat(px, msgs, stream=stream) == chat(dep["agg"], msgs, stream=False)
+        assert px.metric("proxy_reference_retries_total") == 2
+        assert delta(before, dep, "pd1", "encoder_items_computed_total") == 2
+        assert delta(before, dep, "pd1", "ec_items_loaded_total") == 0
+        assert_idle(dep, "e", "pd1")
+    finally:
+        px.stop()
+        relay.close()
+        raw.close()
 
 
 def test_prefill_params_for_a_dead_prefill_fail_cleanly(

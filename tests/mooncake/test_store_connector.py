@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +26,7 @@ from ec_frontend.connectors.mooncake_store import (
 )
 from ec_frontend.engine.config import ConfigError, ECTransferConfig
 
-from .conftest import Master
+from .conftest import Master, raw_client, until
 
 H1, H2 = "ab" * 16, "cd" * 16
 
@@ -49,27 +49,6 @@ def load(c: MooncakeStoreECConnector, *specs: tuple[str, int]) -> dict[str, torc
     with c.bound(meta):
         c.start_load_caches(cache)
     return cache
-
-
-def raw_client(master: Master) -> Any:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    ret = store.setup(
-        "127.0.0.1", master.metadata_server, 16 << 20, 16 << 20, "tcp", "", master.address
-    )
-    assert ret == 0
-    return store
-
-
-def until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Whether ``check()`` came true within ``timeout_s`` (polled)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture

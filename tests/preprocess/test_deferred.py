@@ -137,7 +137,7 @@ def test_a_deferred_image_that_no_longer_fits_its_placeholder_fails_the_plan(
     feature.deferred = (data, tuple(spec.items()))
     planner = EncoderInputPlanner(EncoderCacheManager(4096), None, 4096)
     plan = planner.plan(request(inputs, "r1"), 0, len(inputs.prompt_token_ids), 4096)
-    assert plan.error is not None and "no pixel values" in plan.error
+    assert plan.error is not None and "could not be decoded again" in plan.error
     assert feature.pixel_values is None
 
 

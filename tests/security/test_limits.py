@@ -359,7 +359,7 @@ def test_generate_with_unloadable_mm_hash_is_400(model_server: Proc) -> None:
         "sampling_params": {"max_tokens": 2},
     }
     r = post(model_server, "/inference/v1/generate", body)
-    assert_error(r, 400, "invalid_input")
+    assert_error(r, 400, "ec_item_unavailable")
     assert "ab" * 32 in r.json()["error"]["message"]
     assert_healthy(model_server)
 

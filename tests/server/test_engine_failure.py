@@ -13,7 +13,22 @@ KV = "KV transfer from the prefill instance 127.0.0.1:9"
 @pytest.mark.parametrize(
     ("message", "status", "code", "param"),
     [
-        ("media item 0 is neither cached, loadable nor encodable", 400, "invalid_input", None),
+        ("media item 0 could not be encoded: bad grid", 400, "invalid_input", None),
+        # An item the request only references: a failed load is the upstream's failure,
+        # an item nobody holds is the request's; a proxy answers both by sending the image.
+        (
+            "EC transfer of media item ab failed, and the request carries no image to encode",
+            502,
+            "ec_item_unavailable",
+            None,
+        ),
+        (
+            "media reference ab is neither cached nor loadable here, and the request carries "
+            "no image to encode",
+            400,
+            "ec_item_unavailable",
+            None,
+        ),
         ("prompt token id 99999 is outside the vocabulary", 400, "invalid_input", None),
         # Unverified params may be a client's: the failure is the request's own.
         (

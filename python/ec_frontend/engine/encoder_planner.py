@@ -19,13 +19,23 @@ if TYPE_CHECKING:
     from ec_frontend.engine.request import Request
 
 
-def _decode_deferred(feature: Any) -> bool:
+def decode_deferred_image(feature: Any) -> bool:
     """Pixels for an image the processor deferred (it expected a cache hit)."""
     if getattr(feature, "deferred", None) is None:
         return False
     from ec_frontend.model.native_preprocess import decode_deferred
 
     return decode_deferred(feature)
+
+
+def no_source(feature: Any) -> str:
+    """Why a media item with no pixel values cannot be encoded here."""
+    if getattr(feature, "deferred", None) is not None:
+        return f"media item {feature.mm_hash} could not be decoded again for its encoder"
+    return (
+        f"media reference {feature.mm_hash} is neither cached nor loadable here, and the "
+        "request carries no image to encode"
+    )
 
 
 @dataclass(slots=True)
@@ -89,15 +99,8 @@ class EncoderInputPlanner:
                 break
             if loadable:
                 load.append(i)
-            elif feature.pixel_values is None and not _decode_deferred(feature):
-                return EncoderPlan(
-                    [],
-                    [],
-                    0,
-                    encoder_budget,
-                    f"media item {feature.mm_hash} is neither cached, loadable "
-                    "nor encodable here (no pixel values)",
-                )
+            elif feature.pixel_values is None and not decode_deferred_image(feature):
+                return EncoderPlan([], [], 0, encoder_budget, no_source(feature))
             else:
                 encode.append(i)
                 encoder_budget -= feature.length

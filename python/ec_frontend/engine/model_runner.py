@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
+from ec_frontend.engine.encoder_planner import decode_deferred_image
 from ec_frontend.engine.model_inputs import InputBatch, StepRequest
 from ec_frontend.engine.outputs import ModelRunnerOutput
 from ec_frontend.engine.sampler import PenaltyState, Sampler, SamplingRow, make_generator
@@ -223,13 +224,15 @@ class ModelRunner:
         self.counters.ec_load_fallbacks += sum(1 for h in jobs if h in requested)
         runnable: list[_EncodeJob] = []
         for job in jobs.values():
-            if job.feature.pixel_values is None:
-                self._fail_job(
-                    job,
-                    "its encoder output could not be loaded and it has no "
-                    "pixel values to encode locally",
-                    out,
+            # An image whose decoding was deferred (its output was to be loaded or was
+            # cached) is decoded now; a reference without bytes cannot be.
+            if job.feature.pixel_values is None and not decode_deferred_image(job.feature):
+                reason = (
+                    f"EC transfer of media item {job.mm_hash} failed"
+                    if job.mm_hash in requested
+                    else f"media reference {job.mm_hash} is no longer cached"
                 )
+                self._fail(job, f"{reason}, and the request carries no image to encode", out)
             else:
                 runnable.append(job)
         for job, result in self._encode(runnable):
@@ -293,9 +296,12 @@ class ModelRunner:
         return list(outputs)
 
     def _fail_job(self, job: _EncodeJob, reason: str, out: ModelRunnerOutput) -> None:
+        self._fail(job, f"media item {job.mm_hash} {reason}", out)
+
+    def _fail(self, job: _EncodeJob, message: str, out: ModelRunnerOutput) -> None:
         out.failed_mm_hashes.add(job.mm_hash)
         for rid in job.request_ids:
-            out.failed.setdefault(rid, f"media item {job.mm_hash} {reason}")
+            out.failed.setdefault(rid, message)
 
     # ---- language model -------------------------------------------------
 

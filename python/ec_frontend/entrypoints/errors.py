@@ -100,9 +100,20 @@ _INPUT_FAILURES: tuple[str, ...] = ("media item ", "prompt token id ", "the prom
 #: A KV pull that failed; the connector says whether a transfer secret vouched for the params.
 _KV_PULL_FAILURE = "KV transfer from the prefill instance "
 
+#: A media item the request carries no image for (a metadata-only reference) whose
+#: encoder output cannot be had: the connector's load failed (an upstream failure,
+#: 502), or no connector holds it (400). Either way a proxy that made the reference
+#: can send the image itself instead (``ec_item_unavailable``).
+_EC_LOAD_FAILURE = "EC transfer of media item "
+_EC_UNAVAILABLE = "media reference "
+
 
 def engine_failure(message: str) -> APIError:
     """The HTTP error for an engine request that failed alone with ``message``."""
+    if message.startswith(_EC_LOAD_FAILURE):
+        return APIError(502, message, code="ec_item_unavailable")
+    if message.startswith(_EC_UNAVAILABLE):
+        return APIError(400, message, code="ec_item_unavailable")
     if message.startswith(_INPUT_FAILURES):
         return APIError(400, f"the engine cannot serve this input: {message}", code="invalid_input")
     if message.startswith(_KV_PULL_FAILURE):

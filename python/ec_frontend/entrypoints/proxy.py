@@ -73,6 +73,11 @@ ROUTES: dict[str, str] = {
     "/inference/v1/generate": "generate",
 }
 FALLBACK_HEADER = "x-ec-fallback"
+#: The error code of an instance that could not load an item the request only
+#: references (``entrypoints/errors.py``): the proxy then sends the image itself.
+REFERENCE_FAILED = "ec_item_unavailable"
+#: How much of a stream the proxy reads ahead for that error before its first token.
+PEEK_LIMIT = 64 * 1024
 TRANSFER_KEYS = ("ec_transfer_params", "kv_transfer_params")
 
 
@@ -217,7 +222,7 @@ def _image_parts(body: dict[str, Any]) -> Iterator[tuple[list[Any], int, dict[st
                 yield content, i, part
 
 
-def _part_key(part: dict[str, Any]) -> bytes:
+def part_key(part: dict[str, Any]) -> bytes:
     return orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
 
 
@@ -225,7 +230,7 @@ def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The distinct ``image_url`` content parts of a chat body, in order."""
     parts: dict[bytes, dict[str, Any]] = {}
     for _, _, part in _image_parts(body):
-        parts.setdefault(_part_key(part), part)
+        parts.setdefault(part_key(part), part)
     return list(parts.values())
 
 
@@ -254,7 +259,7 @@ def as_references(body: dict[str, Any], grids: dict[bytes, Any]) -> dict[str, An
     images the encoders failed stay as they are (encoded there)."""
     out = copy.deepcopy(body)
     for content, i, part in list(_image_parts(out)):
-        grid = grids.get(_part_key(part))
+        grid = grids.get(part_key(part))
         if grid is not None:
             content[i] = {
                 "type": "image_embeds",
@@ -423,7 +428,7 @@ class Proxy:
             params, grid = result
             merged.update(params)
             if grid is not None:
-                grids[_part_key(part)] = grid
+                grids[part_key(part)] = grid
         self.metrics.encode_seconds.observe(time.perf_counter() - started)
         fell_back = any(p is None for p in results)
         if fell_back:
@@ -487,6 +492,7 @@ class Proxy:
         out_headers: dict[str, str],
     ) -> Response:
         ec_params: dict[str, Any] = {}
+        grids: dict[bytes, Any] = {}
         decode_body = dict(body)
         if endpoint == "chat":
             encoded, grids, fell_back = await self._encode(body, headers)
@@ -497,11 +503,23 @@ class Proxy:
                 decode_body = as_references(body, grids)
         if ec_params:
             decode_body["ec_transfer_params"] = ec_params
+        # Where the next stage cannot load an encoded item (its encoder died or the
+        # store evicted it since), the request goes again as the client sent it.
+        retry_inline = body if grids or ec_params else None
         if self.config.prefill_urls:
-            first = prefill_body(endpoint, decode_body)
             url = self._pick("prefill", self.config.prefill_urls)
             started = time.perf_counter()
-            data = await self._post_json(url + path, first, headers, self.config.timeout_s)
+            try:
+                data = await self._post_json(
+                    url + path, prefill_body(endpoint, decode_body), headers, self.config.timeout_s
+                )
+            except UpstreamError as exc:
+                if retry_inline is None or _error_code(exc.body) != REFERENCE_FAILED:
+                    raise
+                self._note_reference_retry(url, out_headers)
+                data = await self._post_json(
+                    url + path, prefill_body(endpoint, retry_inline), headers, self.config.timeout_s
+                )
             self.metrics.prefill_seconds.observe(time.perf_counter() - started)
             kv = data.get("kv_transfer_params")
             if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
@@ -520,12 +538,32 @@ class Proxy:
             self.metrics.prefills.inc()
             decode_body["kv_transfer_params"] = kv
             decode_body.pop("ec_transfer_params", None)
+            retry_inline = None
         url = self._pick("decode", self.config.decode_urls) + path
-        return await self._forward(url, decode_body, headers, out_headers)
+        response = await self._forward(url, decode_body, headers, out_headers, retry_inline)
+        if response is None:
+            assert retry_inline is not None
+            self._note_reference_retry(url, out_headers)
+            response = await self._forward(url, retry_inline, headers, out_headers)
+        assert response is not None
+        return response
+
+    def _note_reference_retry(self, url: str, out_headers: dict[str, str]) -> None:
+        log.warning("%s could not load an encoded item; sending the images inline", url)
+        self.metrics.reference_retries.inc()
+        out_headers[FALLBACK_HEADER] = "local-encode"
 
     async def _forward(
-        self, url: str, body: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str]
-    ) -> Response:
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        out_headers: dict[str, str],
+        retry_inline: dict[str, Any] | None = None,
+    ) -> Response | None:
+        """Decode's answer, passed back; ``None`` instead when ``retry_inline`` is given
+        and the answer is an error (or a stream that opens with one) saying that an
+        encoded item could not be loaded, before any token."""
         req = self.client.build_request("POST", url, content=orjson.dumps(body), headers=headers)
         started = time.perf_counter()
         try:
@@ -541,11 +579,26 @@ class Proxy:
                 raise _unreachable(url, exc, "upstream_broken") from None
             finally:
                 await resp.aclose()
+            if retry_inline is not None and _error_code(content) == REFERENCE_FAILED:
+                return None
             return Response(content, resp.status_code, out_headers, media_type)
+        chunks = resp.aiter_raw()
+        head = b""
+        if retry_inline is not None:
+            try:
+                head, code = await _read_opening(chunks)
+            except Exception as exc:
+                await resp.aclose()
+                raise _unreachable(url, exc, "upstream_broken") from None
+            if code == REFERENCE_FAILED:
+                await resp.aclose()
+                return None
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                if head:
+                    yield head
+                async for chunk in chunks:
                     yield chunk
             except Exception as exc:
                 if not isinstance(exc, httpx.HTTPError):
@@ -564,6 +617,57 @@ class Proxy:
         except httpx.HTTPError as exc:
             return Response(error_body(502, f"{url}: {exc!r}", "upstream_unreachable"), 502)
         return Response(resp.content, resp.status_code, media_type="application/json")
+
+
+def _error_code(content: bytes) -> Any:
+    """The ``error.code`` of an OpenAI-style error body (``None`` if it is not one)."""
+    try:
+        error = orjson.loads(content).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def _opens_with_output(event: Any) -> bool:
+    """Whether a stream chunk carries output (text, a tool call, a finish) rather than
+    only the role a chat stream opens with."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if (
+            choice.get("finish_reason")
+            or choice.get("text")
+            or any(v for k, v in delta.items() if k != "role")
+        ):
+            return True
+    return False
+
+
+async def _read_opening(chunks: AsyncIterator[bytes]) -> tuple[bytes, Any]:
+    """The opening of an SSE stream, read up to its first output, its end or
+    :data:`PEEK_LIMIT` bytes, and the code of an error event met before any output."""
+    head = b""
+    seen = 0
+    async for chunk in chunks:
+        head += chunk
+        events = head.split(b"\n\n")
+        for event in events[seen:-1]:
+            data = event.removeprefix(b"data: ")
+            if data == b"[DONE]":
+                return head, None
+            try:
+                parsed = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                return head, None
+            if not isinstance(parsed, dict):
+                return head, None
+            if "error" in parsed:
+                return head, _error_code(data)
+            if _opens_with_output(parsed):
+                return head, None
+        seen = len(events) - 1
+        if len(head) >= PEEK_LIMIT:
+            break
+    return head, None
 
 
 async def _proxy_error(request: Request, exc: Exception) -> Response:

@@ -28,6 +28,11 @@ class ProxyMetrics:
             PREFIX + "proxy_encoder_fallbacks_total",
             "Requests sent on without the params of an item no encoder could encode.",
         )
+        self.reference_retries = Counter(
+            PREFIX + "proxy_reference_retries_total",
+            "Requests sent again with their images inline because the instance could not"
+            " load an encoded item (the encoder's output was gone).",
+        )
         self.prefills = Counter(
             PREFIX + "proxy_prefills_total",
             "Requests whose prompt a prefill instance computed for a decode instance.",
@@ -52,6 +57,7 @@ class ProxyMetrics:
             self.encoder_requests,
             self.encoder_retries,
             self.encoder_fallbacks,
+            self.reference_retries,
             self.prefills,
             self.refused,
             self.encode_seconds,
