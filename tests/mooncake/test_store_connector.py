@@ -21,6 +21,7 @@ import torch
 from ec_frontend.connectors.base import ECConnectorMetadata, ECConnectorRole, ECLoadSpec
 from ec_frontend.connectors.mooncake_store import (
     MooncakeStoreECConnector,
+    ReadArena,
     embedding_key,
     embedding_namespace,
 )
@@ -28,7 +29,7 @@ from ec_frontend.engine.config import ConfigError, ECTransferConfig
 
 from .conftest import Master, raw_client, until
 
-H1, H2 = "ab" * 16, "cd" * 16
+H1, H2, H3 = "ab" * 16, "cd" * 16, "ef" * 16
 
 
 def connector(master: Master, role: str, **extra: Any) -> MooncakeStoreECConnector:
@@ -81,6 +82,47 @@ def test_put_get_in_vllm_layout(master: Master, pair: Any) -> None:
     # The producer does not put an item twice.
     producer.save_caches({H1: out}, H1)
     assert producer.stats.items_saved == 1
+
+
+def test_reads_land_in_the_arena_and_give_their_span_back(master: Master) -> None:
+    """Values are read into the registered arena in place; a span is free again once
+    the last tensor on it (views included) is gone; a value the free spans cannot hold
+    is read into a tensor of its own."""
+    producer = connector(master, "ec_producer")
+    # Room for two 1 KiB values (and their alignment), not three.
+    consumer = connector(master, "ec_consumer", store_read_buffer_bytes=2 * 1024 + 64)
+    values = {h: torch.randn(8, 32) for h in (H1, H2, H3)}
+    for h, v in values.items():
+        producer.save_caches({h: v}, h)
+    first = load(consumer, (H1, 8), (H2, 8))
+    arena = consumer.store.arena
+    assert arena is not None and arena.nbytes == 2 * 1024 + 64
+    assert all(arena.holds(t.data_ptr()) for t in first.values())
+    assert arena.free_bytes() == 64
+    third = load(consumer, (H3, 8))[H3]
+    assert not arena.holds(third.data_ptr())
+    for h, t in (*first.items(), (H3, third)):
+        assert torch.equal(t, values[h])
+    view = first[H1][2:4]
+    del first, third
+    assert arena.free_bytes() == 64 + 1024  # H2's span is back; H1's view holds its own
+    assert torch.equal(view, values[H1][2:4])
+    del view
+    assert arena.free_bytes() == arena.nbytes
+    # The arena is used again, from its start.
+    again = load(consumer, (H2, 8))[H2]
+    assert again.data_ptr() == arena.base and torch.equal(again, values[H2])
+
+
+def test_arena_spans_merge_in_any_order() -> None:
+    arena = ReadArena(8 * 64)
+    held = [arena.tensor((16,), torch.float32) for _ in range(8)]
+    assert all(t is not None for t in held) and arena.tensor((1,), torch.float32) is None
+    for i in (3, 1, 2, 7, 0, 5, 6, 4):
+        held[i] = None
+    assert arena.free_bytes() == arena.nbytes and arena._free == [(0, arena.nbytes)]
+    whole = arena.tensor((8 * 16,), torch.float32)
+    assert whole is not None and whole.data_ptr() == arena.base
 
 
 def test_namespace_options_change_the_key(master: Master) -> None:

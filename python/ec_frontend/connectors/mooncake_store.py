@@ -32,8 +32,8 @@ master's ``--enable_http_metadata_server``), ``protocol`` (``tcp`` or
 (memory this instance lends the store, default 512 MB) and
 ``local_buffer_size`` (default 64 MB), ``embedding_cache_prefix``,
 ``embedding_model_identity`` (default ``default``), ``store_read_buffer_bytes``
-(default 128 MB: a larger item is not read; items are read straight into their
-own tensors, not through a shared buffer). ec-frontend's own:
+(default 128 MB: memory registered once, on the first read, that reads land in; a
+larger item is not read; see :class:`ReadArena`). ec-frontend's own:
 ``prefer_local_segment`` (default true: a put lands in the memory this
 instance lends the store, a local copy instead of a network write; consumers
 read it from there), ``embedding_revision`` (default ``default``), ``embedding_encoder_identity``
@@ -52,6 +52,7 @@ elsewhere.
 from __future__ import annotations
 
 import atexit
+import bisect
 import ctypes
 import logging
 import struct
@@ -218,6 +219,80 @@ class StoreSettings:
         )
 
 
+class ReadArena:
+    """Registered, pre-touched memory that Store reads land in (vLLM's read buffer,
+    ``store_read_buffer_bytes``), handed out in place: each value read is a tensor over
+    its own span of the arena, and the span is free again once the last tensor on it
+    is gone. A read lands in a fresh tensor, registered for that read, only when the
+    free spans cannot hold it.
+
+    Registering memory with the Transfer Engine and first touching its pages cost more
+    than the TCP read of a 1280x720 image's encoder output itself; the arena pays both
+    once. Pinned when CUDA is there (the runner copies values to the GPU).
+    """
+
+    #: Span alignment (a cache line).
+    ALIGN = 64
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=_pinned())
+        self.base = self.memory.data_ptr()
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+        #: Free spans ``(offset, length)``, by offset, none adjacent.
+        self._free: list[tuple[int, int]] = [(0, nbytes)]
+
+    def holds(self, ptr: int) -> bool:
+        return self.base <= ptr < self.base + self.nbytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(n for _, n in self._free)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor of ``shape`` over a free span (first fit), or ``None``."""
+        count = 1
+        for dim in shape:
+            count *= dim
+        size = count * (torch.finfo(dtype).bits // 8)
+        length = -(-max(size, 1) // self.ALIGN) * self.ALIGN
+        with self._lock:
+            for i, (offset, free) in enumerate(self._free):
+                if free >= length:
+                    if free == length:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (offset + length, free - length)
+                    break
+            else:
+                return None
+        span = (ctypes.c_char * length).from_address(self.base + offset)
+        # The span keeps the arena's memory alive; torch keeps the span alive for as
+        # long as any tensor or view uses its storage, then the span goes back.
+        span.arena = self  # type: ignore[attr-defined]
+        weakref.finalize(span, self._give_back, offset, length)
+        return torch.frombuffer(span, dtype=dtype, count=count).view(shape)
+
+    def _give_back(self, offset: int, length: int) -> None:
+        with self._lock:
+            free = self._free
+            i = bisect.bisect(free, (offset, 0))
+            if i < len(free) and offset + length == free[i][0]:
+                length += free.pop(i)[1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
+                offset, length = free[i - 1][0], free[i - 1][1] + length
+                i -= 1
+                free.pop(i)
+            free.insert(i, (offset, length))
+
+
+def _pinned() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # a CUDA build without a usable driver
+        return False
+
+
 class EmbeddingStore:
     """One Mooncake Store client per engine (both connector halves share it).
 
@@ -274,6 +349,10 @@ class EmbeddingStore:
             self._replicate.preferred_segment = self.store.get_hostname()
         #: Row width of the values read so far: later reads skip the size lookup.
         self._width: int | None = None
+        #: Where reads land; made (and registered) by the first read.
+        self.arena: ReadArena | None = None
+        self._arena_failed = False
+        self._arena_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._closed = False
         _OPEN.add(self)
@@ -368,7 +447,7 @@ class EmbeddingStore:
         if width is not None:
             # The width every value so far had: read at once, and look up the sizes
             # only of those that turn out to have another.
-            guess = [(k, torch.empty(n, width, dtype=self.settings.dtype)) for k, n in rows.items()]
+            guess = [(k, self._target(n, width)) for k, n in rows.items()]
             found = self._read_all(guess, quiet=True)
             rest = {k: n for k, n in rows.items() if k not in found}
             return found | (self._get_sized(rest) if rest else {})
@@ -391,11 +470,39 @@ class EmbeddingStore:
             elif body % per_row:
                 logger.warning("Mooncake Store item %s: %d bytes for %d rows", key, body, rows[key])
             else:
-                targets[key] = torch.empty(rows[key], body // per_row, dtype=dtype)
+                targets[key] = self._target(rows[key], body // per_row)
         found = self._read_all(list(targets.items()))
         if found:
             self._width = next(iter(found.values())).shape[1]
         return found
+
+    def _target(self, rows: int, width: int) -> torch.Tensor:
+        """Where a value of ``rows`` x ``width`` is read to: a span of the arena, else a
+        tensor of its own."""
+        arena = self._arena()
+        shape, dtype = (rows, width), self.settings.dtype
+        got = arena.tensor(shape, dtype) if arena is not None else None
+        return got if got is not None else torch.empty(shape, dtype=dtype)
+
+    def _arena(self) -> ReadArena | None:
+        with self._arena_lock:
+            if self.arena is not None or self._arena_failed:
+                return self.arena
+            self._arena_failed = True
+            try:
+                arena = ReadArena(self.settings.read_buffer_bytes)
+            except RuntimeError as exc:  # out of (pinnable) memory
+                logger.warning("Mooncake Store read arena not made: %s", exc)
+                return None
+            try:
+                ret = self.calls.call(lambda: self.store.register_buffer(arena.base, arena.nbytes))
+            except CallTimeout as exc:
+                ret = str(exc)
+            if ret != 0:
+                logger.warning("Mooncake Store refused the read arena (%s)", ret)
+                return None
+            self.arena, self._arena_failed = arena, False
+            return arena
 
     def _read_all(
         self, batch: list[tuple[str, torch.Tensor]], *, quiet: bool = False
@@ -414,10 +521,14 @@ class EmbeddingStore:
         lengths = [[HEADER.size, t.numel() * t.element_size()] for _, t in batch]
         store = self.store
 
+        arena = self.arena
+
         def read() -> list[int]:
             registered = []
             try:
                 for _, t in batch:
+                    if arena is not None and arena.holds(t.data_ptr()):
+                        continue
                     if store.register_buffer(t.data_ptr(), t.numel() * t.element_size()) != 0:
                         return [-1] * len(batch)
                     registered.append(t.data_ptr())
