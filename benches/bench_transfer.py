@@ -61,8 +61,8 @@ COPIES = {
     "kv/mooncake": "0: the Transfer Engine reads prefill's registered blocks into decode's",
     "kv/side_channel": "4: index_select+stack, tobytes, recv into a bytearray, index_copy",
     "ec/mooncake": "1: put copies the tensor into the encoder's own segment (local memcpy, "
-    "prefer_local_segment; 0 with it off: a TCP write from the tensor); get lands in a fresh "
-    "tensor (one TCP read, no staging buffer)",
+    "prefer_local_segment; 0 with it off: a TCP write from the tensor); get lands in a span "
+    "of the registered read arena, used in place (one TCP read, no staging copy)",
     "ec/side_channel": "2: tobytes on the producer, recv into a bytearray",
 }
 
