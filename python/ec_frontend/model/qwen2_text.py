@@ -165,14 +165,14 @@ class MRotaryEmbedding(nn.Module):
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 def _rotate_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """:func:`_rotate` with the sign of the rotated half folded into ``signed_sin``
+    """:func:`rotate` with the sign of the rotated half folded into ``signed_sin``
     (``[-sin_1, sin_2]``): the same values, one negation fewer per call."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
@@ -277,10 +277,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextModelConfig) -> None:
+    def __init__(self, cfg: Any, attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -299,12 +299,17 @@ class DecoderLayer(nn.Module):
 class Qwen2TextModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied or not)."""
 
-    def __init__(self, cfg: TextModelConfig) -> None:
+    #: The decoder layers' attention (a family with another one sets its own).
+    attention: type[nn.Module] = Attention
+
+    def __init__(self, cfg: Any) -> None:
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.attention) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
         #: One of :data:`~ec_frontend.model.paged_attention.BACKENDS`.

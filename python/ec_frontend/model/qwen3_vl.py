@@ -30,7 +30,7 @@ from torch import nn
 from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.interface import AttentionMetadata
 from ec_frontend.model.paged_attention import PagedLayout, build_layout, paged_attention, write_kv
-from ec_frontend.model.qwen2_text import MLP, MRotaryEmbedding, Qwen2TextModel, RMSNorm
+from ec_frontend.model.qwen2_text import Qwen2TextModel, RMSNorm, rotate
 from ec_frontend.model.qwen2_vl import QWEN_VL_WEIGHT_PREFIXES, Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
 
@@ -143,59 +143,25 @@ class Qwen3Attention(nn.Module):
         cos, sin = rope[0][:, None, :], rope[1][:, None, :]
         q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, slots)
         out = paged_attention(q, k, v, kv_cache, layout, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3TextConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)  # type: ignore[arg-type]
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        rope: Rope,
-        kv_cache: torch.Tensor,
-        layout: PagedLayout,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, layout, slots)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Qwen3TextModel(nn.Module):
+class Qwen3TextModel(Qwen2TextModel):
     """Embeddings, decoder layers with DeepStack injection, final norm and LM head.
 
     :meth:`forward` takes ``[T, hidden_size * (1 + num_deepstack)]`` rows: the input
     embedding, then the DeepStack features added after layers ``0 .. k-1``.
     """
 
+    attention = Qwen3Attention
+
     def __init__(self, cfg: Qwen3TextConfig) -> None:
-        super().__init__()
-        cfg.validate()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        super().__init__(cfg)
         self.rotary.component = interleaved_components(cfg.mrope_section)
-        #: One of :data:`~ec_frontend.model.paged_attention.BACKENDS`.
-        self.attention_backend = "sdpa"
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def row_size(self) -> int:
@@ -221,8 +187,6 @@ class Qwen3TextModel(nn.Module):
             if i < self.cfg.num_deepstack:
                 h = h + deepstack[:, i]
         return self.norm(h)
-
-    logits = Qwen2TextModel.logits
 
 
 class Qwen3VLModel(Qwen2VLModel):
