@@ -10,7 +10,9 @@
 * Encoder output of a 1280x720 image on a 7B Qwen2-VL (1196 rows of 3584,
   bfloat16): ``MooncakeStoreECConnector``'s store client (put by the producer, get
   by a second client through a real ``mooncake_master``) against the EC side
-  channel's item store (put, pull over TCP).
+  channel's item store (put, pull over TCP); in the same rounds, the Transfer
+  Engine's raw read of a stored value into registered, touched memory (the floor
+  of any Store round trip between two processes).
 
 Prints ms per request and MB/s (median of the repeats, the two paths taking
 turns so that a shared host's load hits both alike; 4x as many repeats for the
@@ -24,6 +26,7 @@ and about 5 GB of memory.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -45,7 +48,7 @@ from ec_frontend.connectors.kv_side_channel import _Load as SideLoad
 from ec_frontend.connectors.kv_transfer_params import parse_remote_prefill
 from ec_frontend.connectors.mooncake_kv import MooncakeConnector, parse_layout
 from ec_frontend.connectors.mooncake_kv import _Load as MooncakeLoad
-from ec_frontend.connectors.mooncake_store import EmbeddingStore, StoreSettings
+from ec_frontend.connectors.mooncake_store import HEADER, EmbeddingStore, StoreSettings
 from ec_frontend.connectors.side_channel_wire import dtype_name, request_tensor
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY
@@ -215,6 +218,23 @@ def bench_ec(repeats: int) -> dict[str, float]:
         producer = EmbeddingStore(StoreSettings.from_extra(extra))
         consumer = EmbeddingStore(StoreSettings.from_extra(extra))
 
+        # The floor of any Store round trip between two processes: the Transfer Engine
+        # reading a stored value into registered, already touched memory (no put, no
+        # lookup, no allocation), timed in the same rounds.
+        raw_key = producer.key(f"{19_999:064x}")
+        assert producer.put(raw_key, tensor)
+        landing = torch.zeros_like(tensor)
+        header = ctypes.create_string_buffer(HEADER.size)
+        native = consumer.store
+        assert native.register_buffer(landing.data_ptr(), nbytes) == 0
+        assert native.register_buffer(ctypes.addressof(header), HEADER.size) == 0
+
+        def raw_get_once(i: int) -> None:
+            ptrs = [[ctypes.addressof(header), landing.data_ptr()]]
+            [n] = native.batch_get_into_multi_buffers([raw_key], ptrs, [[HEADER.size, nbytes]])
+            assert n == HEADER.size + nbytes
+            assert i >= 0 or torch.equal(landing, tensor)
+
         # Each path's result is compared with the tensor on its untimed first run only,
         # so that neither round trip is timed with a 8.6 MB comparison in it.
         def mooncake_once(i: int) -> None:
@@ -242,7 +262,9 @@ def bench_ec(repeats: int) -> dict[str, float]:
             assert got.shape == tensor.shape
             assert i >= 0 or torch.equal(got, tensor)
 
-        out.update(timed({"mooncake": mooncake_once, "side_channel": side_channel_once}, repeats))
+        paths = {"mooncake": mooncake_once, "side_channel": side_channel_once,
+                 "mooncake_raw_get": raw_get_once}  # fmt: skip
+        out.update(timed(paths, repeats))
     finally:
         master.kill()
         master.wait()
@@ -283,6 +305,8 @@ def main() -> None:
         print(f"{name:<14}{mb:>9.1f}{r['mooncake_ms']:>13.1f}{r['mooncake_mb_s']:>9.0f}"
               f"{r['side_channel_ms']:>13.1f}{r['side_channel_mb_s']:>9.0f}"
               f"{r['speedup']:>9.2f}x", flush=True)  # fmt: skip
+        if "mooncake_raw_get_ms" in r:
+            print(f"{'':<14}raw Transfer Engine get alone: {r['mooncake_raw_get_ms']:.1f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=args.out.parent, delete=False) as f:
         json.dump(results, f, indent=2)
