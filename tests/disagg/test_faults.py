@@ -235,9 +235,13 @@ def referenced(e: Proc, image: str, port: int) -> dict[str, Any]:
     return out
 
 
+def sse_events(r: httpx.Response) -> list[dict[str, Any]]:
+    """The JSON events of a streamed answer (``[DONE]`` left out)."""
+    return [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+
+
 def stream_error(r: httpx.Response) -> dict[str, Any]:
-    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.strip()]
-    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    errors = [e["error"] for e in sse_events(r) if "error" in e]
     assert len(errors) == 1, r.text
     return errors[0]
 
@@ -284,11 +288,7 @@ def test_the_proxy_sends_the_image_when_the_encoded_item_is_gone(dep: dict[str, 
             assert "error" not in r.text, r.text
             assert metric(pd, "encoder_items_computed_total") == computed + 1
             text = (
-                "".join(
-                    json.loads(e.removeprefix("data: "))["choices"][0]["delta"].get("content", "")
-                    for e in r.text.split("\n\n")
-                    if e.startswith("data: {")
-                )
+                "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(r))
                 if stream
                 else r.json()["choices"][0]["message"]["content"]
             )
