@@ -12,6 +12,13 @@ client's clock (each SSE chunk with content is a token; the final usage chunk
 gives the token count), and CPU seconds per request of the server process
 (``/proc``; for multiprocess, of the frontend and engine processes apart).
 
+The ceiling: the same model's engine core stepped directly by this process (no
+server, no HTTP, no detokenization; each request's chat template, tokenization and
+image preprocessing done before the clock starts), at each concurrency with the same
+requests and the engine process's torch threads. No arrangement of server processes
+can serve more output tokens/s than this; ``ceiling_over_inprocess_tok_s`` is the
+most the multiprocess engine could gain over the in-process one on this host.
+
 ``--mock`` adds ``--mock-engine`` servers: frontend CPU per request of the
 multiprocess mock (the mock model behind the engine core in its own process)
 against the in-process mock engine.
@@ -19,7 +26,8 @@ against the in-process mock engine.
 Both modes run in the same invocation, modes alternating per model, so
 background load hits both alike. Writes ``benches/results/bench_engine_proc.json``.
 
-Run: ``.venv/bin/python benches/bench_engine_proc.py [--max-tokens 48] [--mock]``.
+Run: ``.venv/bin/python benches/bench_engine_proc.py [--max-tokens 48] [--mock]
+[--concurrency 32] [--rounds 5]``.
 """
 
 from __future__ import annotations
@@ -184,22 +192,7 @@ async def one_request(
 async def run_level(
     server: Server, concurrency: int, requests: int, max_tokens: int, seed: int, image: bool
 ) -> dict[str, Any]:
-    bodies = []
-    for i in range(requests):
-        content: list[dict[str, Any]] = [{"type": "text", "text": f"Describe image {i}."}]
-        if image:
-            content.insert(0, {"type": "image_url", "image_url": {"url": png_url(seed + i)}})
-        bodies.append(
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-        )
+    bodies = chat_bodies(requests, max_tokens, seed, image)
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
@@ -218,11 +211,11 @@ async def run_level(
                 itls.extend(gaps)
                 total += tokens
 
-        cpu0 = server.cpu()
+        cpu0, client0 = server.cpu(), time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-        cpu1 = server.cpu()
+        cpu1, client = server.cpu(), time.process_time() - client0
     return {
         "concurrency": concurrency,
         "requests": requests,
@@ -235,7 +228,113 @@ async def run_level(
         "itl_p99_ms": round(pct(itls, 99) * 1e3, 2),
         "frontend_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / requests * 1e3, 2),
         "engine_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / requests * 1e3, 2),
+        "client_cpu_ms_per_request": round(client / requests * 1e3, 2),
     }
+
+
+def chat_bodies(requests: int, max_tokens: int, seed: int, image: bool) -> list[dict[str, Any]]:
+    bodies = []
+    for i in range(requests):
+        content: list[dict[str, Any]] = [{"type": "text", "text": f"Describe image {i}."}]
+        if image:
+            content.insert(0, {"type": "image_url", "image_url": {"url": png_url(seed + i)}})
+        bodies.append(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+    return bodies
+
+
+class _Image:
+    """What the input processor reads of a media item."""
+
+    def __init__(self, url: str) -> None:
+        from ec_frontend import _core
+
+        self.data = base64.b64decode(url.split(",", 1)[1])
+        self.mm_hash = _core.compute_mm_hash(self.data)
+
+
+def ceiling(args: list[str], opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """Output tokens/s of the engine core alone (see the module doc), per concurrency."""
+    import torch
+    from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.entrypoints.launcher import ServeOptions
+    from ec_frontend.entrypoints.real_engine import (
+        build_core,
+        cpu_threads,
+        engine_config,
+        engine_process_threads,
+    )
+    from ec_frontend.model.builtin import BUILTIN_MODEL_ID
+
+    flags = argparse.ArgumentParser(add_help=False)
+    for flag in ("--model", "--load-format", "--device"):
+        flags.add_argument(flag)
+    flags.add_argument("--max-model-len", type=int)
+    known, _ = flags.parse_known_args(args)
+    serve = ServeOptions(
+        model=known.model,
+        device=known.device,
+        max_model_len=known.max_model_len,
+        load_format=known.load_format or "auto",
+    )
+    config, _ = engine_config(serve)
+    threads = cpu_threads(serve, builtin=config.model_id == BUILTIN_MODEL_ID)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or engine_process_threads(len(os.sched_getaffinity(0))))
+    core, processor = build_core(config)
+    rows = []
+    try:
+        for c in opts.concurrency:
+            n = max(2 * c, opts.min_requests)
+            inputs = []
+            for body in chat_bodies(n, opts.max_tokens, 1000 * c, image=True):
+                content = body["messages"][0]["content"]
+                parts = [
+                    {"type": "image", "media_index": 0} if p["type"] == "image_url" else p
+                    for p in content
+                ]
+                media = [_Image(p["image_url"]["url"]) for p in content if "image_url" in p]
+                messages = [{"role": "user", "content": parts}]
+                inputs.append(processor().process_chat(messages, media))
+            params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=True, temperature=0)
+            waiting = list(enumerate(inputs))
+            tokens = running = 0
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            while waiting or running:
+                while waiting and running < c:
+                    i, prompt = waiting.pop(0)
+                    core.add_request(f"ceiling-{c}-{i}", prompt, params)
+                    running += 1
+                for out in core.step():
+                    tokens += len(out.token_ids)
+                    if out.finished:
+                        if out.finish_reason != "length":
+                            raise RuntimeError(f"{out.request_id}: {out.finish_reason} {out.error}")
+                        running -= 1
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            rows.append(
+                {
+                    "concurrency": c,
+                    "requests": n,
+                    "output_tokens": tokens,
+                    "wall_s": round(wall, 3),
+                    "output_tok_s": round(tokens / wall, 1),
+                    "engine_cpu_ms_per_request": round(cpu / n * 1e3, 2),
+                }
+            )
+    finally:
+        del core
+        torch.set_num_threads(previous)
+    return rows
 
 
 def pct(values: list[float], q: float) -> float:
@@ -244,35 +343,61 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of median output tokens/s among rounds, with every round's figure."""
+    ordered = sorted(rows, key=lambda r: r["output_tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["output_tok_s"] for r in rows]}
+
+
 def bench_model(
     name: str, args: list[str], opts: argparse.Namespace, image: bool = True
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for mode in opts.modes:
-        server = Server([*args, "--engine-mode", mode])
-        try:
-            asyncio.run(run_level(server, 2, 4, 4, 10_000, image))  # warm-up
-            rows = []
-            for c in CONCURRENCY:
-                n = max(2 * c, opts.min_requests)
-                row = asyncio.run(run_level(server, c, n, opts.max_tokens, 1000 * c, image))
-                rows.append(row)
-                print(
-                    f"{name:9s} {mode:12s} c={c:<3d} {row['output_tok_s']:8.1f} tok/s  "
-                    f"TTFT p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
-                    f"ITL p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} ms  "
-                    f"CPU/req frontend {row['frontend_cpu_ms_per_request']:.1f} ms "
-                    f"engine {row['engine_cpu_ms_per_request']:.1f} ms",
-                    flush=True,
-                )
-            results[mode] = rows
-        finally:
-            server.stop()
-    if set(MODES) <= set(results):
-        results["ratio_multiprocess_over_inprocess_tok_s"] = {
-            str(a["concurrency"]): round(b["output_tok_s"] / a["output_tok_s"], 3)
-            for a, b in zip(results["inprocess"], results["multiprocess"], strict=True)
-        }
+    """Per mode (and the ceiling), a row per concurrency: with several rounds (every
+    mode once per round, in turn), the round of median output tokens/s."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+
+    def keep(mode: str, row: dict[str, Any], note: str) -> None:
+        runs.setdefault(mode, {}).setdefault(row["concurrency"], []).append(row)
+        print(f"{name:9s} {mode:12s} c={row['concurrency']:<3d} {row['output_tok_s']:8.1f} tok/s  "
+              + note, flush=True)  # fmt: skip
+
+    for _ in range(opts.rounds):
+        for mode in opts.modes:
+            server = Server([*args, "--engine-mode", mode])
+            try:
+                asyncio.run(run_level(server, 2, 4, 4, 10_000, image))  # warm-up
+                for c in opts.concurrency:
+                    n = max(2 * c, opts.min_requests)
+                    row = asyncio.run(run_level(server, c, n, opts.max_tokens, 1000 * c, image))
+                    keep(
+                        mode,
+                        row,
+                        f"TTFT p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
+                        f"ITL p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} ms  "
+                        f"CPU/req frontend {row['frontend_cpu_ms_per_request']:.1f} ms "
+                        f"engine {row['engine_cpu_ms_per_request']:.1f} ms "
+                        f"client {row['client_cpu_ms_per_request']:.1f} ms",
+                    )
+            finally:
+                server.stop()
+        if image:
+            for row in ceiling(args, opts):
+                note = "(the engine core alone, no server)  "
+                keep("ceiling", row, note + f"CPU/req {row['engine_cpu_ms_per_request']:.1f} ms")
+    results: dict[str, Any] = {
+        mode: [_median_row(by_c[c]) for c in opts.concurrency] for mode, by_c in runs.items()
+    }
+    for label, mine, theirs in (
+        ("ratio_multiprocess_over_inprocess_tok_s", "multiprocess", "inprocess"),
+        ("ceiling_over_inprocess_tok_s", "ceiling", "inprocess"),
+        ("multiprocess_share_of_ceiling", "multiprocess", "ceiling"),
+    ):
+        if mine in results and theirs in results:
+            results[label] = {
+                str(a["concurrency"]): round(b["output_tok_s"] / a["output_tok_s"], 3)
+                for a, b in zip(results[theirs], results[mine], strict=True)
+            }
+            print(f"{name:9s} {label}: {results[label]}", flush=True)
     return results
 
 
@@ -281,6 +406,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
+    ap.add_argument("--rounds", type=int, default=1, help="every mode once per round; medians")
     ap.add_argument("--models", nargs="+", default=["builtin", "mid-size"])
     ap.add_argument("--mock", action="store_true", help="also the --mock-engine CPU comparison")
     ap.add_argument("--out", type=Path, default=RESULTS)

@@ -8,6 +8,10 @@ torchvision backend (``Qwen2VLImageProcessor``; torchvision is a test-only insta
 1. ms per image, one thread (torch and rayon), Qwen2-VL checkpoint pixel range (min
    3136, max 12845056): 1280x720 JPEG, 448x448 PNG, 3000x4000 JPEG. Medians of the
    calling thread's CPU time and of wall time, native and PIL calls interleaved.
+   With them, two stages the native path cannot go below: its decode alone
+   (``_core.decode_rgb``; for JPEG the libjpeg-turbo that Pillow links, whose bytes
+   it must reproduce) and one write of a ``pixel_values``-sized float32 buffer,
+   as a share of the 8x-vs-PIL budget (PIL's time / 8).
 2. Scaling: images per second with 1 and 2 concurrent Python threads calling each
    path (the native call releases the GIL; transformers' mostly holds it).
 3. End to end: ``ec-frontend serve --mock-engine`` whose mock processor runs the
@@ -41,6 +45,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from ec_frontend import _core
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
 from ec_frontend.model.media import decode_image
 from ec_frontend.model.native_preprocess import DISABLE_ENV, native_preprocessor_for
@@ -159,13 +164,18 @@ def per_image(quick: bool, tv: dict[str, Any] | None) -> list[dict[str, Any]]:
     assert native is not None
     rows = []
     for name, data, repeat in test_images(quick):
+        ((_, pixel_values),) = native.preprocess([data], [0])
+        out = np.empty(pixel_values.numel(), dtype=np.float32)
         got = timed(
             {
                 "pil": lambda d=data: transformers_path(ip, d),
                 "native": lambda d=data: native.preprocess([d], [0]),
+                "native_decode": lambda d=data: _core.decode_rgb(d, max_image_pixels=200_000_000),
+                "write_output": lambda o=out: o.fill(0.5),
             },
             repeat,
         )
+        stages = {label: got.pop(label) for label in ("native_decode", "write_output")}
         if tv is not None:
             got["torchvision"] = tuple(tv["per_image"][name])
         row: dict[str, Any] = {"image": name}
@@ -179,8 +189,21 @@ def per_image(quick: bool, tv: dict[str, Any] | None) -> list[dict[str, Any]]:
                 row[f"speedup_vs_{label}_cpu"] = round(got[label][0] / got["native"][0], 1)
                 row[f"speedup_vs_{label}_wall"] = round(got[label][1] / got["native"][1], 1)
                 line += f"  x{row[f'speedup_vs_{label}_cpu']} vs {label}"
+        # What the native path cannot go below: decoding (libjpeg-turbo for JPEG, as in
+        # Pillow; the bytes must be Pillow's) and writing pixel_values once.
+        decode, write = stages["native_decode"][0], stages["write_output"][0]
+        row["native_decode_cpu_ms"] = round(decode * 1e3, 2)
+        row["write_output_cpu_ms"] = round(write * 1e3, 2)
+        budget = got["pil"][0] / 8
+        row["decode_plus_write_share_of_8x_budget"] = round((decode + write) / budget, 2)
         rows.append(row)
         print(line + "  (thread CPU, median)")
+        print(
+            f"{'':15s}  native decode {decode * 1e3:.1f} ms + one write of pixel_values "
+            f"{write * 1e3:.1f} ms = {row['decode_plus_write_share_of_8x_budget']:.0%} of the "
+            f"8x budget ({budget * 1e3:.1f} ms); resize, normalize and patchify "
+            f"get the rest"
+        )
     return rows
 
 

@@ -385,3 +385,15 @@ def probe_image(
 ) -> tuple[str, int, int]:
     """``(format, width, height)`` from the header alone (nothing is decoded). Raises
     :class:`ImageError` (with ``index``) for empty, unknown, unsupported or damaged headers."""
+
+def decode_rgb(
+    data: bytes,
+    *,
+    index: int = 0,
+    formats: list[str] | None = None,
+    max_image_pixels: int = 64_000_000,
+) -> tuple[int, int, bytes]:
+    """``(width, height, pixels)``: ``data`` decoded to 8-bit RGB as Pillow's decoder plus
+    transformers' ``convert_rgb`` give it (rows top to bottom, 3 bytes a pixel), the GIL
+    released: the first stage of the preprocessors' ``preprocess``. Raises
+    :class:`ImageError` (with ``index``) as they do."""

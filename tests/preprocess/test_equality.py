@@ -85,3 +85,19 @@ def test_native_equals_transformers(reference: Qwen2VLImageProcessorPil, case: C
     assert got_pixels.shape == want_pixels.shape
     diff = float(np.abs(got_pixels - want_pixels).max())
     assert diff <= TOLERANCE, f"max |diff| {diff}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_decoded_rgb_equals_pillow_and_convert_to_rgb(case: Case) -> None:
+    """The first stage alone: the same bytes as Pillow's decoder followed by
+    transformers' ``convert_to_rgb`` (the alpha composite over white), every pixel."""
+    from transformers.image_transforms import convert_to_rgb
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = np.asarray(convert_to_rgb(Image.open(io.BytesIO(case.data))))
+    width, height, data = _core.decode_rgb(case.data, max_image_pixels=200_000_000)
+    got = np.frombuffer(data, dtype=np.uint8).reshape(height, width, 3)
+    assert got.shape == want.shape
+    mismatched = int((got != want).any(axis=-1).sum())
+    assert mismatched == 0, f"{mismatched} of {width * height} pixels differ"

@@ -71,6 +71,26 @@ pub fn probe_image(
     Ok((info.format.name(), info.width, info.height))
 }
 
+/// `(width, height, pixels)` of `data` decoded to 8-bit RGB as Pillow's decoder and
+/// transformers' `convert_rgb` give it (rows top to bottom, 3 bytes a pixel), the GIL
+/// released; raises `ImageError` (with `index`). The first stage of `preprocess`, on
+/// its own for tests and benchmarks.
+#[pyfunction]
+#[pyo3(signature = (data, *, index = 0, formats = None, max_image_pixels = 64_000_000))]
+pub fn decode_rgb<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    index: usize,
+    formats: Option<Vec<String>>,
+    max_image_pixels: u64,
+) -> PyResult<(u32, u32, Bound<'py, PyBytes>)> {
+    let allowed = self::formats(formats)?;
+    let image = py
+        .detach(|| preprocess::decode_rgb(data, &allowed, max_image_pixels))
+        .map_err(|e| image_error(py, index, &e))?;
+    Ok((image.width, image.height, PyBytes::new(py, &image.data)))
+}
+
 /// Pixels handed to Python. Rust never reads or writes them after construction (only
 /// frees them); Python may write through the buffer (torch wants writable memory), so
 /// they live in `UnsafeCell`s.
@@ -358,5 +378,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyQwenVlPreprocessor>()?;
     m.add_class::<PyClipPreprocessor>()?;
     m.add_function(wrap_pyfunction!(probe_image, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_rgb, m)?)?;
     Ok(())
 }
