@@ -234,8 +234,13 @@ class App:
             _guarded(gen),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache"},
-            background=BackgroundTask(self.serving.release, jobs),
+            background=BackgroundTask(self._release, jobs),
         )
+
+    async def _release(self, jobs: list[Job]) -> None:
+        # A coroutine: Starlette runs a plain function's background task on a worker
+        # thread, a thread hand-off (and GIL switches) for every stream.
+        self.serving.release(jobs)
 
     async def until_disconnect(self, request: Request, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro``; cancel it (aborting its engine requests) if the client leaves.
