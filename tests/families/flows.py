@@ -4,7 +4,7 @@ deployment (aggregated, E+PD, E+P+D through ``ec-frontend proxy``) and the check
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +12,10 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import torch
+from ec_frontend.model.loader import load_processor
+from ec_frontend.model.processor import InputProcessor
 from PIL import Image
 
 from ..disagg.conftest import proxy, serve, side_channel_ec, side_channel_kv
@@ -170,3 +173,74 @@ def check_disaggregated_parts(dep: dict[str, Proc], size: tuple[int, int]) -> No
     assert delta("pd", "ec_items_loaded_total") == 2
     assert delta("pd", "kv_tokens_sent_total") == prompt_tokens
     assert delta("d", "kv_tokens_received_total") == prompt_tokens
+
+
+def family_fixtures(dir_fixture: str, hf_class: Any, load_hf: Callable[[Path], Any]) -> Any:
+    """The module fixtures of the family whose checkpoint directory is the fixture
+    ``dir_fixture``: ``ours`` (our processor), ``hf`` (transformers' processor and
+    ``hf_class`` model, float32, eval) and ``dep`` (its deployment)."""
+
+    @pytest.fixture(scope="module")
+    def ours(request: pytest.FixtureRequest) -> InputProcessor:
+        return load_processor(request.getfixturevalue(dir_fixture))
+
+    @pytest.fixture(scope="module")
+    def hf(request: pytest.FixtureRequest) -> tuple[Any, Any]:
+        directory = request.getfixturevalue(dir_fixture)
+        model = hf_class.from_pretrained(directory, dtype=torch.float32)
+        return load_hf(directory), model.eval()
+
+    @pytest.fixture(scope="module")
+    def dep(request: pytest.FixtureRequest) -> Iterator[dict[str, Proc]]:
+        with deployment(request.getfixturevalue(dir_fixture)) as procs:
+            yield procs
+
+    return ours, hf, dep
+
+
+class ServedInEveryTopology:
+    """The end-to-end tests of every family, on its module's ``dep`` and ``hf``
+    fixtures; a family's module runs them as ``class TestServed(ServedInEveryTopology)``."""
+
+    #: ``hf_generate``'s ``nested`` (each sample's images as one list).
+    nested = False
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", CASES)
+    def test_served_greedy_matches_transformers_generate_in_every_topology(
+        self, dep: dict[str, Proc], hf: tuple[Any, Any], case: str
+    ) -> None:
+        check_served_equals(dep, case, hf_generate(*hf, case, nested=self.nested))
+
+    @pytest.mark.slow
+    def test_disaggregated_instances_did_their_part_only(self, dep: dict[str, Proc]) -> None:
+        check_disaggregated_parts(dep, (70, 42))
+
+
+def check_qwen_processor(
+    ours: InputProcessor, hf: tuple[Any, Any], case: str, token_types: Callable[..., Any]
+) -> None:
+    """A Qwen-VL family's processor against transformers': token ids, placeholders,
+    grids, pixels, and M-RoPE positions and delta from its ``get_rope_index``, given
+    ``token_types(ids, image_token, ref)`` (its second argument)."""
+    hf_processor, hf_model = hf
+    mine = ours.process_chat(chat_messages(case, urls=False), media(case))
+    ref = hf_inputs(hf_processor, case)
+    ids = ref["input_ids"]
+    assert mine.prompt_token_ids == ids[0].tolist()
+    image_token = hf_model.config.image_token_id
+    placeholders = [f.length for f in mine.mm_features]
+    grids = ref.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.int64))
+    assert placeholders == (grids.prod(-1) // 4).tolist()
+    assert sum(placeholders) == int((ids == image_token).sum())
+    assert [list(f.image_grid_thw) for f in mine.mm_features] == grids.tolist()
+    for f in mine.mm_features:
+        assert ids[0, f.offset : f.offset + f.length].eq(image_token).all()
+    if mine.mm_features:
+        pixels = torch.cat([f.pixel_values for f in mine.mm_features])
+        torch.testing.assert_close(pixels, ref["pixel_values"], atol=0, rtol=0)
+    positions, delta = hf_model.model.get_rope_index(
+        ids, token_types(ids, image_token, ref), image_grid_thw=grids if len(grids) else None
+    )
+    assert torch.equal(mine.mrope_positions, positions[:, 0])
+    assert mine.mrope_position_delta == int(delta)

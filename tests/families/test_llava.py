@@ -10,25 +10,17 @@ positions; a served greedy chat must produce the tokens of
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
-from ec_frontend.model.loader import load_model, load_processor
-from ec_frontend.model.processor import InputProcessor
+from ec_frontend.model.loader import load_model
 from transformers import LlavaForConditionalGeneration
 
-from ..helpers.processes import Proc
 from .conftest import LLAVA_IMAGE_SIZE, load_hf_llava_processor
 from .flows import (
     CASES,
+    ServedInEveryTopology,
     chat_messages,
-    check_disaggregated_parts,
-    check_served_equals,
-    deployment,
-    hf_generate,
+    family_fixtures,
     hf_inputs,
     media,
 )
@@ -36,15 +28,7 @@ from .flows import (
 TOKENS_PER_IMAGE = (LLAVA_IMAGE_SIZE // 14) ** 2
 
 
-@pytest.fixture(scope="module")
-def ours(llava_dir: Path) -> InputProcessor:
-    return load_processor(llava_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(llava_dir: Path) -> tuple[Any, LlavaForConditionalGeneration]:
-    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
-    return load_hf_llava_processor(llava_dir), model.eval()
+ours, hf, dep = family_fixtures("llava_dir", LlavaForConditionalGeneration, load_hf_llava_processor)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -83,18 +67,5 @@ def test_encoder_output_equals_transformers_image_features(llava_dir, hf, ours):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def dep(llava_dir: Path) -> Iterator[dict[str, Proc]]:
-    with deployment(llava_dir) as procs:
-        yield procs
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, case):
-    check_served_equals(dep, case, hf_generate(*hf, case))
-
-
-@pytest.mark.slow
-def test_disaggregated_instances_did_their_part_only(dep):
-    check_disaggregated_parts(dep, (70, 42))
+class TestServed(ServedInEveryTopology):
+    pass

@@ -12,41 +12,26 @@ decode size each placeholder from the item's grid, its size in pixels).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 from ec_frontend.model.llava_next import anyres_image_tokens
-from ec_frontend.model.loader import load_config, load_model, load_processor
-from ec_frontend.model.processor import InputProcessor
+from ec_frontend.model.loader import load_config, load_model
 from transformers import LlavaNextForConditionalGeneration
 
-from ..helpers.processes import Proc
 from .conftest import load_hf_llava_next_processor
 from .flows import (
     CASES,
+    ServedInEveryTopology,
     chat_messages,
-    check_disaggregated_parts,
-    check_served_equals,
-    deployment,
-    hf_generate,
+    family_fixtures,
     hf_inputs,
     media,
     prefill_kv_params,
 )
 
-
-@pytest.fixture(scope="module")
-def ours(llava_next_dir: Path) -> InputProcessor:
-    return load_processor(llava_next_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(llava_next_dir: Path) -> tuple[Any, LlavaNextForConditionalGeneration]:
-    model = LlavaNextForConditionalGeneration.from_pretrained(llava_next_dir, dtype=torch.float32)
-    return load_hf_llava_next_processor(llava_next_dir), model.eval()
+ours, hf, dep = family_fixtures(
+    "llava_next_dir", LlavaNextForConditionalGeneration, load_hf_llava_next_processor
+)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -101,21 +86,8 @@ def test_encoder_output_equals_transformers_image_features(llava_next_dir, hf, o
         model.encode_images(pixels[:-1], grids)
 
 
-@pytest.fixture(scope="module")
-def dep(llava_next_dir: Path) -> Iterator[dict[str, Proc]]:
-    with deployment(llava_next_dir) as procs:
-        yield procs
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, case):
-    check_served_equals(dep, case, hf_generate(*hf, case))
-
-
-@pytest.mark.slow
-def test_disaggregated_instances_did_their_part_only(dep):
-    check_disaggregated_parts(dep, (70, 42))
+class TestServed(ServedInEveryTopology):
+    pass
 
 
 @pytest.mark.slow

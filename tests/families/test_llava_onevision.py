@@ -14,10 +14,8 @@ an image of a two-image prompt as one of several.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from io import BytesIO
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -29,21 +27,17 @@ from ec_frontend.model.llava_onevision import (
     image_tokens,
     several_images_hash,
 )
-from ec_frontend.model.loader import load_config, load_model, load_processor
-from ec_frontend.model.processor import InputProcessor
+from ec_frontend.model.loader import load_config, load_model
 from PIL import Image
 from transformers import LlavaOnevisionForConditionalGeneration
 
-from ..helpers.processes import Proc
 from .conftest import data_url, image_bytes, load_hf_llava_onevision_processor
 from .flows import (
     CASES,
     Media,
+    ServedInEveryTopology,
     chat_messages,
-    check_disaggregated_parts,
-    check_served_equals,
-    deployment,
-    hf_generate,
+    family_fixtures,
     hf_inputs,
     media,
     prefill_kv_params,
@@ -54,17 +48,11 @@ TILE = 56
 N = 4
 
 
-@pytest.fixture(scope="module")
-def ours(llava_onevision_dir: Path) -> InputProcessor:
-    return load_processor(llava_onevision_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(llava_onevision_dir: Path) -> tuple[Any, LlavaOnevisionForConditionalGeneration]:
-    model = LlavaOnevisionForConditionalGeneration.from_pretrained(
-        llava_onevision_dir, dtype=torch.float32
-    )
-    return load_hf_llava_onevision_processor(llava_onevision_dir), model.eval()
+ours, hf, dep = family_fixtures(
+    "llava_onevision_dir",
+    LlavaOnevisionForConditionalGeneration,
+    load_hf_llava_onevision_processor,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,21 +189,8 @@ def test_encoder_output_equals_transformers_image_features(
         model.encode_images(pixels[:-1], grids)
 
 
-@pytest.fixture(scope="module")
-def dep(llava_onevision_dir: Path) -> Iterator[dict[str, Proc]]:
-    with deployment(llava_onevision_dir) as procs:
-        yield procs
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, case):
-    check_served_equals(dep, case, hf_generate(*hf, case, nested=True))
-
-
-@pytest.mark.slow
-def test_disaggregated_instances_did_their_part_only(dep):
-    check_disaggregated_parts(dep, (70, 42))
+class TestServed(ServedInEveryTopology):
+    nested = True
 
 
 @pytest.mark.slow

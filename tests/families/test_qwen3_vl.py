@@ -13,7 +13,6 @@ channel).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,34 +20,26 @@ import pytest
 import torch
 from ec_frontend.model.interface import AttentionMetadata
 from ec_frontend.model.loader import load_model, load_processor
-from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.qwen3_vl import interleaved_components
 from transformers import Qwen3VLForConditionalGeneration
 
-from ..helpers.processes import Proc
 from .conftest import ImageOnlyQwen3VLProcessor, load_hf_processor
 from .flows import (
     CASES,
+    ServedInEveryTopology,
     chat_messages,
-    check_disaggregated_parts,
-    check_served_equals,
-    deployment,
-    hf_generate,
+    check_qwen_processor,
+    family_fixtures,
     hf_inputs,
     media,
     prefill_kv_params,
 )
 
-
-@pytest.fixture(scope="module")
-def ours(qwen3_vl_dir: Path) -> InputProcessor:
-    return load_processor(qwen3_vl_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(qwen3_vl_dir: Path) -> tuple[Any, Qwen3VLForConditionalGeneration]:
-    model = Qwen3VLForConditionalGeneration.from_pretrained(qwen3_vl_dir, dtype=torch.float32)
-    return load_hf_processor(qwen3_vl_dir, ImageOnlyQwen3VLProcessor), model.eval()
+ours, hf, dep = family_fixtures(
+    "qwen3_vl_dir",
+    Qwen3VLForConditionalGeneration,
+    lambda d: load_hf_processor(d, ImageOnlyQwen3VLProcessor),
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +62,7 @@ def test_interleaved_mrope_assigns_rows_round_robin(section, rows):
 
 @pytest.mark.parametrize("case", CASES)
 def test_processor_and_rope_index_match_transformers(ours, hf, case):
-    hf_processor, hf_model = hf
-    mine = ours.process_chat(chat_messages(case, urls=False), media(case))
-    ref = hf_inputs(hf_processor, case)
-    ids = ref["input_ids"]
-    assert mine.prompt_token_ids == ids[0].tolist()
-    image_token = hf_model.config.image_token_id
-    placeholders = [f.length for f in mine.mm_features]
-    grids = ref.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.int64))
-    assert placeholders == (grids.prod(-1) // 4).tolist()
-    assert sum(placeholders) == int((ids == image_token).sum())
-    assert [list(f.image_grid_thw) for f in mine.mm_features] == grids.tolist()
-    for f in mine.mm_features:
-        assert ids[0, f.offset : f.offset + f.length].eq(image_token).all()
-    if mine.mm_features:
-        pixels = torch.cat([f.pixel_values for f in mine.mm_features])
-        torch.testing.assert_close(pixels, ref["pixel_values"], atol=0, rtol=0)
-    positions, delta = hf_model.model.get_rope_index(
-        ids, ref["mm_token_type_ids"], image_grid_thw=grids if len(grids) else None
-    )
-    assert torch.equal(mine.mrope_positions, positions[:, 0])
-    assert mine.mrope_position_delta == int(delta)
+    check_qwen_processor(ours, hf, case, lambda ids, image_token, ref: ref["mm_token_type_ids"])
 
 
 def decoded_inputs(directory: Path, case: str) -> Any:
@@ -159,21 +130,8 @@ def test_prefill_logits_equal_transformers_and_need_the_deepstack_features(qwen3
     assert (_prefill_logits(model, mine, without) - want).abs().max() > 1e-2
 
 
-@pytest.fixture(scope="module")
-def dep(qwen3_vl_dir: Path) -> Iterator[dict[str, Proc]]:
-    with deployment(qwen3_vl_dir) as procs:
-        yield procs
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_served_greedy_matches_transformers_generate_in_every_topology(dep, hf, case):
-    check_served_equals(dep, case, hf_generate(*hf, case))
-
-
-@pytest.mark.slow
-def test_disaggregated_instances_did_their_part_only(dep):
-    check_disaggregated_parts(dep, (70, 42))
+class TestServed(ServedInEveryTopology):
+    pass
 
 
 @pytest.mark.slow
