@@ -284,7 +284,7 @@ def _mock_view(out: RequestOutput) -> tuple[Any, ...]:
 def test_mock_core_in_its_process_answers_as_the_in_process_mock() -> None:
     """``--mock-engine`` with the multiprocess engine (the mock model behind the real
     engine core, over ZMQ) gives the in-process mock engine's tokens, text, stops,
-    logprobs, transfer params and failures."""
+    logprobs, transfer params and failures, without loading torch."""
     from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
 
     cfg = MockEngineConfig(model="m")
@@ -302,8 +302,11 @@ def test_mock_core_in_its_process_answers_as_the_in_process_mock() -> None:
     try:
         want = asyncio.run(run(local))
         got = asyncio.run(run(remote))
+        # Its startup is the server's: the mock engine process never loads torch.
+        maps = Path(f"/proc/{remote.pid}/maps").read_text()
     finally:
         remote.shutdown()
+    assert "libtorch" not in maps
     for (name, _, _), w, g in zip(MOCK_CASES, want, got, strict=True):
         assert _mock_view(g) == _mock_view(w), name
     assert remote.process is not None and remote.process.proc.returncode == 0

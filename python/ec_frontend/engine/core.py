@@ -23,13 +23,13 @@ from ec_frontend.engine.config import EngineConfig
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager, plan_kv_cache
-from ec_frontend.engine.model_runner import ModelRunner
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput, RequestOutput
 from ec_frontend.engine.request import Request, RequestStatus
 from ec_frontend.engine.scheduler import Scheduler
 from ec_frontend.engine.stats import EngineStats
 
 if TYPE_CHECKING:
+    from ec_frontend.engine.model_runner import ModelRunner
     from ec_frontend.engine.sampling_params import SamplingParams
     from ec_frontend.model.interface import VisionLanguageModel
     from ec_frontend.model.processor import InputProcessor, ProcessedInputs
@@ -95,13 +95,7 @@ class EngineCore:
             ec_connector=ec_sched,
             kv_connector=kv_sched,
         )
-        self.runner = ModelRunner(
-            model,
-            ec_connector=ec_worker,
-            kv_connector=kv_worker,
-            num_kv_blocks=num_blocks,
-            block_size=block_size,
-        )
+        self.runner = self._make_runner(model, ec_worker, kv_worker, num_blocks, block_size)
         self._states: dict[str, _RequestState] = {}
         self._immediate: list[RequestOutput] = []
         self.num_steps = 0
@@ -109,6 +103,26 @@ class EngineCore:
         self.last_num_scheduled = 0
         self.requests_finished = 0
         self.requests_failed = 0
+
+    def _make_runner(
+        self,
+        model: VisionLanguageModel,
+        ec_connector: ECConnectorBase,
+        kv_connector: KVConnectorBase | None,
+        num_kv_blocks: int | None,
+        block_size: int,
+    ) -> ModelRunner:
+        """The model runner, imported here: a core around the mock model overrides
+        this, and its engine process never loads torch."""
+        from ec_frontend.engine.model_runner import ModelRunner
+
+        return ModelRunner(
+            model,
+            ec_connector=ec_connector,
+            kv_connector=kv_connector,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[EngineCore, InputProcessor]:

@@ -14,13 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from ec_frontend.engine.block_hash import extend_block_hashes
 from ec_frontend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
+    import torch
+
     from ec_frontend.engine.config import EngineConfig
     from ec_frontend.engine.request import Request
     from ec_frontend.model.interface import VisionLanguageModel
@@ -58,13 +58,24 @@ def on_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-@torch.no_grad()
 def profile_run(model: VisionLanguageModel, config: EngineConfig) -> None:
     """The largest step the scheduler can build: ``max_num_batched_tokens`` tokens of
     one fresh prompt through the language model (and logits for ``max_num_seqs``
     rows), then one image of ``encoder_budget`` output rows through the vision
     tower when the model has one. Its activations stay in torch's caching
     allocator, so the device memory measured afterwards accounts for them."""
+    import torch
+
+    with torch.no_grad():
+        _profile_language(model, config)
+        vcfg = getattr(getattr(model, "vision", None), "config", None)
+        if vcfg is not None:
+            _profile_encoder(model, vcfg, config.scheduler.encoder_budget)
+
+
+def _profile_language(model: VisionLanguageModel, config: EngineConfig) -> None:
+    import torch
+
     sched, block_size = config.scheduler, config.cache.block_size
     device = model.device
     if getattr(model, "has_language", True):
@@ -89,12 +100,11 @@ def profile_run(model: VisionLanguageModel, config: EngineConfig) -> None:
         hidden = model.forward(model.embed_tokens(ids), positions, kv, meta)
         model.compute_logits(hidden[-min(tokens, sched.max_num_seqs) :])
         del kv, hidden
-    vcfg = getattr(getattr(model, "vision", None), "config", None)
-    if vcfg is not None:
-        _profile_encoder(model, vcfg, sched.encoder_budget)
 
 
 def _profile_encoder(model: VisionLanguageModel, vcfg: object, rows: int) -> None:
+    import torch
+
     merge = int(getattr(vcfg, "spatial_merge_size", 0) or 0)
     channels = getattr(vcfg, "in_channels", None) or getattr(vcfg, "in_chans", None)
     patch = getattr(vcfg, "patch_size", None)
@@ -112,6 +122,8 @@ def _profile_encoder(model: VisionLanguageModel, vcfg: object, rows: int) -> Non
 def device_memory(device: torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of a CUDA device once queued work is done. Memory the
     caching allocator peaked at beyond what it still reserves counts as used."""
+    import torch
+
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     unreserved_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_reserved(device)

@@ -38,6 +38,7 @@ from ec_frontend.engine.encoder_planner import decode_deferred_image
 from ec_frontend.engine.model_inputs import InputBatch, StepRequest
 from ec_frontend.engine.outputs import ModelRunnerOutput
 from ec_frontend.engine.sampler import PenaltyState, Sampler, SamplingRow, make_generator
+from ec_frontend.engine.stats import RunnerCounters
 from ec_frontend.engine.structured_output import BitmaskFiller
 from ec_frontend.model.interface import VisionLanguageModel
 
@@ -51,19 +52,6 @@ if TYPE_CHECKING:
     from ec_frontend.model.processor import MultiModalFeature
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RunnerCounters:
-    encoder_items_computed: int = 0
-    encoder_forward_calls: int = 0
-    ec_items_loaded: int = 0
-    ec_items_saved: int = 0
-    ec_load_fallbacks: int = 0
-    lm_forward_calls: int = 0
-    lm_tokens: int = 0
-    lm_requests: int = 0
-    max_requests_per_forward: int = 0
 
 
 @dataclass(slots=True)

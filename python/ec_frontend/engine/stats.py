@@ -11,6 +11,21 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
+@dataclass(slots=True)
+class RunnerCounters:
+    """What a model runner has done since start (read into :class:`EngineStats`)."""
+
+    encoder_items_computed: int = 0
+    encoder_forward_calls: int = 0
+    ec_items_loaded: int = 0
+    ec_items_saved: int = 0
+    ec_load_fallbacks: int = 0
+    lm_forward_calls: int = 0
+    lm_tokens: int = 0
+    lm_requests: int = 0
+    max_requests_per_forward: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     # counters

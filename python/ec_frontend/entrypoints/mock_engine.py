@@ -356,22 +356,26 @@ class MockEngine:
 # ---- the mock model behind the engine core (``--mock-engine`` in its own process) ----
 
 
+@dataclass(frozen=True, slots=True)
+class _NoTensors:
+    """The mock's KV element type and device: what sizing reads of torch's, without
+    importing torch (the mock engine process never does)."""
+
+    itemsize: int = 4
+    type: str = "cpu"
+
+
 class MockModel:
     """What the engine core asks of a model, without weights: the vocabulary of the
     character tokenizer and a KV cache spec of no bytes (the blocks are bookkeeping)."""
 
     vocab_size = VOCAB_SIZE
-
-    def __init__(self) -> None:
-        import torch
-
-        self.device = torch.device("cpu")
-        self._dtype = torch.float32
+    device: Any = _NoTensors()
 
     def kv_cache_spec(self) -> Any:
         from ec_frontend.model.interface import KVCacheSpec
 
-        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=self._dtype)
+        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=_NoTensors())
 
 
 class MockRunner:
@@ -383,7 +387,7 @@ class MockRunner:
     """
 
     def __init__(self, scheduler: Any, token_latency_s: float = 0.0) -> None:
-        from ec_frontend.engine.model_runner import RunnerCounters
+        from ec_frontend.engine.stats import RunnerCounters
 
         self.scheduler = scheduler
         self.token_latency_s = token_latency_s
@@ -464,9 +468,12 @@ def _mock_core_class() -> type:
         connector's ``request_finished`` would return them."""
 
         def __init__(self, config: Any, token_latency_s: float) -> None:
+            self._token_latency_s = token_latency_s
             super().__init__(config, MockModel(), eos_token_id=CharTokenizer.eos_token_id)
-            self.runner = MockRunner(self.scheduler, token_latency_s)  # type: ignore[assignment]
             self._echo: dict[str, tuple[Any, Any]] = {}
+
+        def _make_runner(self, *args: Any) -> Any:
+            return MockRunner(self.scheduler, self._token_latency_s)
 
         def build_inputs(self, data: dict[str, Any]) -> _CoreInputs:
             """Engine inputs from a packed :class:`MockInputs`."""

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +30,7 @@ class KVCacheSpec:
 
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block across all layers (K and V)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
 
