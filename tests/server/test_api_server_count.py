@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -334,3 +335,44 @@ def test_one_server_is_the_default(mock_server: ServerProcess) -> None:
     assert r.status_code == 200
     assert HEADER not in r.headers
     assert listening_servers(mock_server.proc.pid, mock_server.port) == set()
+
+
+class _ScriptedServer:
+    """Stands in for an API server process: ``exitcode`` answers from a script (then
+    its last entry, or 0 once the group is stopping), ``sentinel`` never becomes
+    readable, so only the polled exit codes can reveal a death."""
+
+    def __init__(self, group: Any, script: list[int | None], sentinel: int) -> None:
+        self.group, self.script, self.sentinel = group, script, sentinel
+        self.name, self.pid = f"scripted-{len(script)}", None
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.group.stops:
+            return self.script[-1] if self.script[-1] is not None else 0
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+
+def test_a_death_between_two_polls_still_stops_the_group() -> None:
+    """A server whose exit is first seen where the supervisor lists the live servers
+    (it exited just after the previous pass checked it) stops the group: before the
+    fix it was dropped from that list unreported and the group ran on."""
+    from ec_frontend.entrypoints.api_servers import ServerGroup
+    from ec_frontend.entrypoints.launcher import ServeOptions
+
+    group = ServerGroup(ServeOptions(drain_timeout_s=1.0))
+    pipes = [os.pipe(), os.pipe()]
+    try:
+        # Pass 1: listed live (None), checked (None); pass 2: listed, now exited.
+        victim = _ScriptedServer(group, [None, None, -signal.SIGKILL], pipes[0][0])
+        survivor = _ScriptedServer(group, [None], pipes[1][0])
+        group.procs = [victim, survivor]  # type: ignore[list-item]
+        outcome: list[int] = []
+        waiter = threading.Thread(target=lambda: outcome.append(group.wait()), daemon=True)
+        waiter.start()
+        waiter.join(10)
+        assert outcome == [1], "the group did not notice the dead server"
+        assert group.stops == 1
+    finally:
+        for fd in (fd for pipe in pipes for fd in pipe):
+            os.close(fd)

@@ -291,7 +291,9 @@ class ServerGroup:
                     self.failed = 1
                     log.error("the engine process exited: stopping the group")
                     self.stop()
-            for proc in live:
+            # Every server, not only those live above: one that exited after its check
+            # in the previous pass was left out of ``live`` already.
+            for proc in self.procs:
                 code = proc.exitcode
                 if code is None or self.stops:
                     continue
