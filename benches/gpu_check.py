@@ -10,7 +10,9 @@ Two checks, each writing JSON under ``--out``:
   engine: ``load_format="dummy"``; transformers: the same config, its own random
   init) at batch 1, 8 and 32: generated tokens per second of this engine (all
   requests added at once, stepped to completion) against transformers'
-  ``generate`` (``min_new_tokens = max_new_tokens``), and the ratio.
+  ``generate`` (``min_new_tokens = max_new_tokens``), and the ratio; this engine
+  both as served (decode steps replayed from CUDA graphs) and with
+  ``enforce_eager``, and that ratio.
 
 Both also run on the CPU with ``--device cpu --shape tiny``: the smoke test of
 this script on a machine without a GPU (the figures mean nothing there).
@@ -216,28 +218,39 @@ def check_throughput(
             for b in batches
         }
         model = load_model(path, device=device, dtype=dtype, load_format="dummy")
-        config = EngineConfig(
-            model=str(path),
-            device=device,
-            dtype=dtype,
-            scheduler=SchedulerConfig(
-                max_num_seqs=max(batches),
-                max_num_batched_tokens=max(2048, max(batches) * prompt),
-                max_model_len=prompt + new + 16,
-            ),
-            cache=CacheConfig(kv_cache_memory_bytes=4 * 2**30 if device != "cpu" else 2**28),
-        )
-        core = EngineCore(config, model)
-        ours: dict[int, float] = {}
-        with torch.inference_mode():
-            run_engine(core, [_text(prompts[batches[0]][0])], 2)  # warm-up
-            for b in batches:
-                _sync(device)
-                start = time.perf_counter()
-                run_engine(core, [_text(p) for p in prompts[b]], new)
-                _sync(device)
-                ours[b] = b * new / (time.perf_counter() - start)
-        del core, model
+        # The engine as served (decode steps replayed from CUDA graphs where the
+        # device allows), then with --enforce-eager.
+        ours: dict[str, dict[int, float]] = {"graphs": {}, "eager": {}}
+        for mode, rates in ours.items():
+            config = EngineConfig(
+                model=str(path),
+                device=device,
+                dtype=dtype,
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max(batches),
+                    max_num_batched_tokens=max(2048, max(batches) * prompt),
+                    max_model_len=prompt + new + 16,
+                ),
+                cache=CacheConfig(
+                    kv_cache_memory_bytes=4 * 2**30 if device != "cpu" else 2**28,
+                    enforce_eager=mode == "eager",
+                ),
+            )
+            core = EngineCore(config, model)
+            with torch.inference_mode():
+                run_engine(core, [_text(prompts[batches[0]][0])], 2)  # warm-up
+                for b in batches:
+                    _sync(device)
+                    start = time.perf_counter()
+                    run_engine(core, [_text(p) for p in prompts[b]], new)
+                    _sync(device)
+                    rates[b] = b * new / (time.perf_counter() - start)
+            graph_replays = core.stats().lm_graph_replays_total
+            if mode == "graphs":
+                ours_replays = graph_replays
+            del core
+            _free(device)
+        del model
         _free(device)
         hf_config = Qwen2VLConfig.from_pretrained(path)
         with torch.device(device):
@@ -264,9 +277,11 @@ def check_throughput(
                 rows.append(
                     {
                         "batch": b,
-                        "ours_tok_s": ours[b],
+                        "ours_tok_s": ours["graphs"][b],
+                        "ours_eager_tok_s": ours["eager"][b],
                         "transformers_tok_s": theirs,
-                        "ratio": ours[b] / theirs,
+                        "ratio": ours["graphs"][b] / theirs,
+                        "graphs_vs_eager": ours["graphs"][b] / ours["eager"][b],
                     }
                 )
         del hf
@@ -277,6 +292,7 @@ def check_throughput(
         "shape": shape,
         "prompt_tokens": prompt,
         "new_tokens": new,
+        "graph_replays": ours_replays,
         "rows": rows,
     }
 
@@ -323,7 +339,9 @@ def main() -> None:
         for row in result["rows"]:
             print(
                 f"throughput batch {row['batch']:3d}: ours {row['ours_tok_s']:9.1f} tok/s  "
-                f"transformers {row['transformers_tok_s']:9.1f} tok/s  ratio {row['ratio']:.2f}x"
+                f"transformers {row['transformers_tok_s']:9.1f} tok/s  ratio {row['ratio']:.2f}x  "
+                f"(eager {row['ours_eager_tok_s']:9.1f} tok/s, "
+                f"graphs {row['graphs_vs_eager']:.2f}x)"
             )
     raise SystemExit(1 if failed else 0)
 

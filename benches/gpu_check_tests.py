@@ -10,10 +10,11 @@ import random
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
-from ec_frontend.engine.config import CacheConfig, EngineConfig
+from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
@@ -67,32 +68,75 @@ def test_backends_on_cuda_equal_the_gather_path(block_size: int, ratio: int) -> 
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=backend)
 
 
-def _greedy_tokens(device: str, backend: str = "sdpa") -> list[list[int]]:
+def _greedy_tokens(
+    device: str, backend: str = "sdpa", *, eager: bool = True, stagger: bool = False
+) -> tuple[list[list[int]], Any]:
+    """Greedy tokens of a few prompts (float32) and the engine's stats. ``eager``
+    False lets the engine capture decode graphs (with the triton backend);
+    ``stagger`` adds one request per step, so decode batches of many sizes replay."""
     path = ensure_builtin_checkpoint()
     processor = load_processor(path)
-    model = load_model(path, device=device, dtype="float32")
-    model.language.attention_backend = backend
+    model = load_model(path, device=device, dtype="float32", attention_backend=backend)
     config = EngineConfig(
-        model=str(path), device=device, cache=CacheConfig(kv_cache_memory_bytes=64 * 2**20)
+        model=str(path),
+        device=device,
+        scheduler=SchedulerConfig(max_num_seqs=12, max_model_len=512),
+        cache=CacheConfig(kv_cache_memory_bytes=64 * 2**20, enforce_eager=eager),
     )
     core = EngineCore(config, model)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     texts = ["A story about a lighthouse.", "Count to twenty.", "Name three colours."]
-    for i, text in enumerate(texts):
-        core.add_request(f"r{i}", processor.process_prompt(text), params)
+    if stagger:
+        texts += [f"Item {i}: describe a {w}." for i, w in enumerate(("cat", "dog", "fox"))]
+    pending = [
+        (f"r{i}", processor.process_prompt(text),
+         SamplingParams(max_tokens=24 + 4 * i, temperature=0.0, ignore_eos=True))
+        for i, text in enumerate(texts)
+    ]  # fmt: skip
+    if not stagger:
+        for request in pending:
+            core.add_request(*request)
+        pending = []
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(texts))}
-    while core.has_work():
+    while pending or core.has_work():
+        if pending:
+            core.add_request(*pending.pop(0))
         for out in core.step():
             tokens[out.request_id] += out.token_ids
-    return [tokens[f"r{i}"] for i in range(len(texts))]
+    return [tokens[f"r{i}"] for i in range(len(texts))], core.stats()
 
 
 def test_engine_on_cuda_matches_the_cpu() -> None:
-    assert _greedy_tokens("cuda") == _greedy_tokens("cpu")
+    assert _greedy_tokens("cuda")[0] == _greedy_tokens("cpu")[0]
 
 
 def test_triton_decode_in_the_engine() -> None:
-    assert _greedy_tokens("cuda", "triton") == _greedy_tokens("cuda", "sdpa")
+    assert _greedy_tokens("cuda", "triton")[0] == _greedy_tokens("cuda", "sdpa")[0]
+
+
+def test_cuda_graphs_of_decode_steps_give_the_eager_tokens() -> None:
+    graphed, stats = _greedy_tokens("cuda", "triton", eager=False, stagger=True)
+    eager, eager_stats = _greedy_tokens("cuda", "triton", stagger=True)
+    assert graphed == eager
+    assert eager_stats.lm_graph_replays_total == 0
+    assert 0 < stats.lm_graph_replays_total < stats.lm_forward_calls_total
+
+
+def test_auto_backend_on_cuda_captures_decode_graphs() -> None:
+    path = ensure_builtin_checkpoint()
+    model = load_model(path, device="cuda", dtype="bfloat16")
+    assert model.language.attention_backend == "triton"
+    core = EngineCore(
+        EngineConfig(
+            model=str(path),
+            device="cuda",
+            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
+            cache=CacheConfig(kv_cache_memory_bytes=64 * 2**20),
+        ),
+        model,
+    )
+    graphs = core.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    assert core.runner.kv_caches[0].shape[1] == core.kv_cache.num_blocks + 1
 
 
 def test_kv_cache_sized_from_device_memory() -> None:

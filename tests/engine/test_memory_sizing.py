@@ -155,6 +155,7 @@ def test_explicit_kv_cache_memory_wins_on_cuda(
         (["--kv-cache-memory", "-1"], "--kv-cache-memory must be > 0"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be > 0"),
         (["--max-model-len", "999999"], "exceeds the model's"),
+        (["--attention-backend", "triton"], "--attention-backend triton needs Triton and a CUDA"),
     ],
 )
 def test_bad_sizing_flags_exit_cleanly(

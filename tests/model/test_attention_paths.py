@@ -4,16 +4,19 @@ prefills and continuation chunks (block sizes 16 and 32, GQA ratios 1, 2 and 7).
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from ec_frontend.engine.config import ConfigError, EngineConfig
 from ec_frontend.model.interface import AttentionMetadata
-from ec_frontend.model.paged_attention import BACKENDS, build_layout, paged_attention, write_kv
+from ec_frontend.model.paged_attention import (
+    BACKENDS,
+    build_layout,
+    paged_attention,
+    resolve_backend,
+    write_kv,
+)
 
 HEAD_DIM = 16
 #: ``triton`` runs on the CPU only under Triton's interpreter: its own test below.
@@ -23,17 +26,17 @@ NUM_BLOCKS = 160
 
 
 def _step(
-    rng: random.Random, block_size: int, ratio: int
+    rng: random.Random, block_size: int, ratio: int, *, decodes_only: bool = False
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random step: ``(meta, query, key, value, kv_cache)`` with the cache already
-    holding every request's context (earlier tokens random, new ones written)."""
+    holding every request's context (earlier tokens random, new ones written).
+    ``decodes_only``: every request decodes (the layout of a CUDA-graphed step)."""
     heads = NUM_KV_HEADS * ratio
     cache = torch.randn(2, NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
     free = list(range(1, NUM_BLOCKS))
     rng.shuffle(free)
-    kinds = [
-        rng.choice(["decode", "decode", "fresh", "continue"]) for _ in range(rng.randint(1, 7))
-    ]
+    choices = ["decode"] if decodes_only else ["decode", "decode", "fresh", "continue"]
+    kinds = [rng.choice(choices) for _ in range(rng.randint(1, 7))]
     seq_lens, query_lens, tables, slots = [], [], [], []
     for kind in kinds:
         new = 1 if kind == "decode" else rng.randint(2, 70)
@@ -97,8 +100,8 @@ def test_backends_equal_the_gather_path(block_size: int, ratio: int) -> None:
     torch.manual_seed(block_size + ratio)
     scale = HEAD_DIM**-0.5
     kinds_seen: set[str] = set()
-    for _ in range(12):
-        meta, query, key, value, cache = _step(rng, block_size, ratio)
+    for i in range(16):
+        meta, query, key, value, cache = _step(rng, block_size, ratio, decodes_only=i % 4 == 3)
         kinds_seen.update(
             "decode" if q == 1 else "fresh" if q == s else "continue"
             for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
@@ -125,6 +128,24 @@ def test_unknown_backend_is_refused() -> None:
     meta, query, *_ = _step(random.Random(0), 16, 1)
     with pytest.raises(ValueError, match="unknown attention backend"):
         build_layout(meta, query.device, "nope")
+    with pytest.raises(ConfigError, match="unknown attention backend") as info:
+        resolve_backend("nope", torch.device("cpu"))
+    assert info.value.param == "attention_backend"
+    with pytest.raises(ConfigError, match="attention_backend must be auto or one of"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_auto_backend_is_sdpa_on_the_cpu_and_triton_needs_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "sdpa"
+    assert resolve_backend("gather", cpu) == "gather"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="--attention-backend triton needs Triton and a CUDA"):
+        resolve_backend("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", cpu) == "triton"
 
 
 def check_triton_decode(block_size: int, ratio: int) -> None:
@@ -133,10 +154,12 @@ def check_triton_decode(block_size: int, ratio: int) -> None:
     torch.manual_seed(block_size * 3 + ratio)
     scale = HEAD_DIM**-0.5
     decodes = 0
-    while decodes < 2:
-        meta, query, key, value, cache = _step(rng, block_size, ratio)
+    steps = 0
+    while decodes < 2 or steps < 4:
+        meta, query, key, value, cache = _step(rng, block_size, ratio, decodes_only=steps % 2 == 1)
         if 1 not in meta.query_lens_cpu:
             continue
+        steps += 1
         decodes += meta.query_lens_cpu.count(1)
         want = paged_attention(
             query, key, value, cache, build_layout(meta, query.device, "gather"), scale
@@ -152,6 +175,9 @@ def test_triton_decode_equals_the_gather_path() -> None:
     interpreter (the kernel source CUDA compiles) in a process that sets
     ``TRITON_INTERPRET=1`` before Triton is imported: block sizes 16 and 32, GQA
     ratios 1, 2 and 7."""
+    # Imported here: benches/gpu_check_tests.py loads this file alone, outside the package.
+    from ..helpers.triton_interpreter import run_interpreted
+
     code = (
         "from tests.model.test_attention_paths import check_triton_decode\n"
         "for bs in (16, 32):\n"
@@ -159,10 +185,4 @@ def test_triton_decode_equals_the_gather_path() -> None:
         "        check_triton_decode(bs, ratio)\n"
         "print('ok')\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-        timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
+    assert run_interpreted(code).strip() == "ok"

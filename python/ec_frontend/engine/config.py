@@ -333,6 +333,8 @@ class SchedulerConfig:
 #: KV cache bytes on the CPU when ``--kv-cache-memory`` is not given (raised to
 #: one ``max_model_len`` sequence when that needs more).
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+#: Attention paths over the paged KV cache (``--attention-backend``; ``auto`` picks).
+ATTENTION_BACKENDS = ("sdpa", "gather", "triton")
 #: Block sizes the paged attention accepts (``--block-size``).
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
@@ -347,7 +349,9 @@ class CacheConfig:
     minus what the model and a profile run hold, and on the CPU
     :data:`DEFAULT_CPU_KV_CACHE_BYTES` (at least one ``max_model_len`` sequence).
     ``encoder_cache_size`` counts encoder output rows (placeholder tokens).
-    ``enforce_eager`` is recorded; no CUDA graphs are captured either way yet.
+    On CUDA, decode-only steps replay CUDA graphs captured at startup for padded
+    batch sizes up to ``max_num_seqs`` when the attention backend allows it
+    (``triton``); ``enforce_eager`` turns that off.
     ``enable_prefix_caching`` shares full KV blocks between requests by content
     (``engine/kv_cache.py``).
     """
@@ -399,10 +403,17 @@ class EngineConfig:
     load_vision: bool = True
     #: ``auto`` / ``safetensors``: the checkpoint's weights; ``dummy``: random weights.
     load_format: str = "auto"
+    #: ``auto``, or one of :data:`ATTENTION_BACKENDS` (see ``model/paged_attention.py``).
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.is_encoder_only and not self.load_vision:
             raise ConfigError("an encoder-only instance needs the vision tower", "load_vision")
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ConfigError(
+                f"attention_backend must be auto or one of {', '.join(ATTENTION_BACKENDS)}",
+                "attention_backend",
+            )
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError("dtype must be float32, float16 or bfloat16", "dtype")
         if self.cache.encoder_cache_size < self.scheduler.encoder_budget:

@@ -29,6 +29,7 @@ from ec_frontend.engine.scheduler import Scheduler
 from ec_frontend.engine.stats import EngineStats
 
 if TYPE_CHECKING:
+    from ec_frontend.engine.cuda_graphs import GraphPlan
     from ec_frontend.engine.model_runner import ModelRunner
     from ec_frontend.engine.sampling_params import SamplingParams
     from ec_frontend.model.interface import VisionLanguageModel
@@ -122,7 +123,17 @@ class EngineCore:
             kv_connector=kv_connector,
             num_kv_blocks=num_kv_blocks,
             block_size=block_size,
+            graph_plan=self._graph_plan(model),
         )
+
+    def _graph_plan(self, model: VisionLanguageModel) -> GraphPlan | None:
+        """CUDA graphs of decode steps on a CUDA device, unless ``--enforce-eager``."""
+        from ec_frontend.engine.cuda_graphs import GraphPlan
+
+        if self.config.cache.enforce_eager or model.device.type != "cuda":
+            return None
+        sched = self.config.scheduler
+        return GraphPlan(sched.max_num_seqs, sched.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[EngineCore, InputProcessor]:
@@ -157,6 +168,7 @@ class EngineCore:
             load_vision=config.load_vision,
             load_language=not config.is_encoder_only,
             load_format=config.load_format,
+            attention_backend=config.attention_backend,
         )
 
     # ---- requests -----------------------------------------------------------
@@ -310,6 +322,7 @@ class EngineCore:
             prefix_cache_hits_total=sc.prefix_cache_hits,
             engine_steps_total=self.num_steps,
             lm_forward_calls_total=rc.lm_forward_calls,
+            lm_graph_replays_total=rc.lm_graph_replays,
             encoder_forward_calls_total=rc.encoder_forward_calls,
             requests_finished_total=self.requests_finished,
             requests_failed_total=self.requests_failed,

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
+from ec_frontend.engine.cuda_graphs import DecodeGraphs, GraphPlan
 from ec_frontend.engine.encoder_planner import decode_deferred_image
-from ec_frontend.engine.model_inputs import InputBatch, StepRequest
+from ec_frontend.engine.model_inputs import InputBatch, ModelInputs, StepRequest
 from ec_frontend.engine.outputs import ModelRunnerOutput
 from ec_frontend.engine.sampler import PenaltyState, Sampler, SamplingRow, make_generator
 from ec_frontend.engine.stats import RunnerCounters
@@ -79,7 +80,10 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and the encoder outputs of one instance.
 
     ``num_kv_blocks`` is ``None`` for an encoder-only instance: no KV cache is
-    allocated and the language model is never called.
+    allocated and the language model is never called. With ``graph_plan`` (and a
+    model whose decode step can be captured) decode-only steps replay graphs
+    (:mod:`~ec_frontend.engine.cuda_graphs`); the caches then hold one more block,
+    the padding rows' scratch block, which the scheduler never hands out.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class ModelRunner:
         kv_connector: KVConnectorBase | None = None,
         num_kv_blocks: int | None,
         block_size: int,
+        graph_plan: GraphPlan | None = None,
     ) -> None:
         self.model = model
         self.ec_connector = ec_connector
@@ -97,9 +102,12 @@ class ModelRunner:
         self.block_size = block_size
         self.encoder_only = num_kv_blocks is None
         self.kv_caches: list[torch.Tensor] = []
+        graphs = graph_plan is not None and num_kv_blocks is not None
+        graphs = graphs and model.decode_graphs_supported()
         if num_kv_blocks is not None:
             spec = model.kv_cache_spec()
-            shape = (2, num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            physical = num_kv_blocks + 1 if graphs else num_kv_blocks
+            shape = (2, physical, block_size, spec.num_kv_heads, spec.head_dim)
             self.kv_caches = [
                 torch.zeros(shape, dtype=spec.dtype, device=model.device)
                 for _ in range(spec.num_layers)
@@ -112,6 +120,32 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, CachedRequest] = {}
         self.input_batch = InputBatch(block_size, model.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            assert graph_plan is not None and num_kv_blocks is not None
+            self.decode_graphs = self._capture_graphs(graph_plan, num_kv_blocks)
+
+    def _capture_graphs(self, plan: GraphPlan, scratch_block: int) -> DecodeGraphs | None:
+        """The captured decode graphs, or ``None`` (every step eager) when capture fails:
+        serving slower beats not serving."""
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            block_size=self.block_size,
+            plan=plan,
+            scratch_block=scratch_block,
+        )
+        try:
+            graphs.capture()
+        except Exception as exc:
+            logger.warning(
+                "capturing decode graphs failed (%s: %s); every step runs eagerly "
+                "(--enforce-eager skips the capture)",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        return graphs
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
@@ -345,7 +379,7 @@ class ModelRunner:
         bitmask = self.bitmask_filler.start(
             [r.grammar for r in rows], [r.output_token_ids for r in rows], model.vocab_size
         )
-        hidden = model.forward(embeds, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self._forward(embeds, inputs)
         self.counters.lm_forward_calls += 1
         self.counters.lm_tokens += inputs.num_tokens
         self.counters.lm_requests += len(batch)
@@ -364,6 +398,16 @@ class ModelRunner:
             out.sampled_token_ids[rid] = [token]
             if lp is not None:
                 out.logprobs[rid] = [lp]
+
+    def _forward(self, embeds: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        meta = inputs.attn_metadata
+        graphs = self.decode_graphs
+        size = graphs.padded_size(meta) if graphs is not None else None
+        if graphs is None or size is None:
+            return self.model.forward(embeds, inputs.positions, self.kv_caches, meta)
+        hidden = graphs.run(embeds, inputs.positions, meta, size)
+        self.counters.lm_graph_replays += 1
+        return hidden
 
     def _scatter_encoder_outputs(
         self, embeds: torch.Tensor, item: ScheduledRequest, row0: int

@@ -21,6 +21,8 @@ class RunnerCounters:
     ec_items_saved: int = 0
     ec_load_fallbacks: int = 0
     lm_forward_calls: int = 0
+    #: Of ``lm_forward_calls``, the decode steps that replayed a CUDA graph.
+    lm_graph_replays: int = 0
     lm_tokens: int = 0
     lm_requests: int = 0
     max_requests_per_forward: int = 0
@@ -42,6 +44,7 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     engine_steps_total: int = 0
     lm_forward_calls_total: int = 0
+    lm_graph_replays_total: int = 0
     encoder_forward_calls_total: int = 0
     requests_finished_total: int = 0
     requests_failed_total: int = 0

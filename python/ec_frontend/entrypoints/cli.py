@@ -82,8 +82,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="accepted for vLLM compatibility and recorded; no CUDA graphs are captured yet, "
-        "so every step runs eagerly either way",
+        help="run every step eagerly: no CUDA graphs of decode steps (captured by default "
+        "on CUDA with the triton attention backend)",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -105,6 +105,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "safetensors", "dummy"],
         help="weights: the checkpoint's safetensors (auto), or random weights for its "
         "config.json (dummy: benchmarks without weights)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "sdpa", "gather", "triton"],
+        help="attention over the paged KV cache: auto is triton on CUDA when Triton is "
+        "installed (decodes read the cache in place; decode steps run as CUDA graphs), "
+        "sdpa elsewhere; gather is the reference path",
     )
     p.add_argument(
         "--cpu-threads",
@@ -297,6 +305,7 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        attention_backend=args.attention_backend,
         cpu_threads=args.cpu_threads,
         ec_transfer_config=args.ec_transfer_config,
         kv_transfer_config=args.kv_transfer_config,

@@ -54,6 +54,7 @@ class ServeOptions:
     device: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    attention_backend: str = "auto"
     cpu_threads: int | None = None
     ec_transfer_config: str | None = None
     kv_transfer_config: str | None = None

@@ -169,6 +169,7 @@ def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
         ec_transfer=ec,
         kv_transfer=kv,
         load_format=opts.load_format,
+        attention_backend=opts.attention_backend,
     )
     return config, str(path)
 

@@ -117,6 +117,13 @@ class VisionLanguageModel(ABC):
         and attends causally over each request's context. Returns ``[T, hidden_size]``.
         """
 
+    def decode_graphs_supported(self) -> bool:
+        """Whether :meth:`forward` over a step whose requests all decode (one new token
+        each) may be captured in a CUDA graph and replayed on other inputs written into
+        the same tensors: no host synchronisation, and no tensor shape that depends on
+        the requests' context lengths (only on their number)."""
+        return False
+
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""

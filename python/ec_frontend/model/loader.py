@@ -38,6 +38,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
 from ec_frontend.model.errors import ModelLoadError
+from ec_frontend.model.paged_attention import resolve_backend
 from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.qwen2_text import TextModelConfig
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
@@ -185,6 +186,7 @@ def load_model(
     load_vision: bool = True,
     load_language: bool = True,
     load_format: str = "auto",
+    attention_backend: str = "auto",
 ) -> Qwen2VLModel:
     """Load a local checkpoint of a registered family.
 
@@ -193,6 +195,9 @@ def load_model(
     parts to build (an encoder-only instance needs no language model).
     ``load_format="dummy"`` skips the weight files and gives deterministic
     random weights for the config (for benchmarks of large shapes).
+    ``attention_backend`` is resolved by
+    :func:`~ec_frontend.model.paged_attention.resolve_backend` (a bad one raises
+    its :class:`~ec_frontend.engine.config.ConfigError`).
     Raises :class:`ModelLoadError`.
     """
     if load_format not in LOAD_FORMATS:
@@ -224,6 +229,8 @@ def load_model(
     for name, module in parts.items():
         _finish(module, _PART_NAMES[name], target_device)
     vision, language = parts.get("vision"), parts.get("language")
+    if language is not None:
+        language.attention_backend = resolve_backend(attention_backend, target_device)
     model_class: type[Qwen2VLModel] = family.model_type()
     return model_class(
         text_config=text_cfg,

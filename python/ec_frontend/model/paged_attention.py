@@ -30,20 +30,47 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ec_frontend.engine.config import ATTENTION_BACKENDS, ConfigError
 from ec_frontend.model.interface import AttentionMetadata
 
 #: ``sdpa``: 4-D fused-kernel calls (the default); ``gather``: the previous path;
 #: ``triton``: ``sdpa`` prefills, decodes read in place by a Triton kernel.
-BACKENDS = ("sdpa", "gather", "triton")
+BACKENDS = ATTENTION_BACKENDS
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend ``--attention-backend`` names; ``auto`` is ``triton`` on CUDA when
+    Triton imports (decodes read the cache in place, and decode steps can be
+    captured in CUDA graphs), else ``sdpa``. ``triton`` elsewhere than on CUDA needs
+    Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    from ec_frontend.model.triton_decode import interpreting, triton_available
+
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if name not in BACKENDS:
+        raise ConfigError(
+            f"unknown attention backend {name!r}; one of auto, {', '.join(BACKENDS)}",
+            "attention_backend",
+        )
+    if name == "triton" and not (triton_available() and (device.type == "cuda" or interpreting())):
+        raise ConfigError(
+            "--attention-backend triton needs Triton and a CUDA device "
+            "(or Triton's interpreter: TRITON_INTERPRET=1)",
+            "attention_backend",
+        )
+    return name
 
 
 @dataclass(slots=True)
 class DecodeGroup:
     """All requests of a step with exactly one new token."""
 
-    rows: torch.Tensor  # [D] row of each request's token in the flattened batch
+    #: ``[D]`` row of each request's token in the flattened batch; ``None`` when
+    #: every request of the step decodes (row ``i`` is request ``i``).
+    rows: torch.Tensor | None
     block_tables: torch.Tensor  # [D, blocks]
-    mask: torch.Tensor  # [D, 1, 1, context] bool, True = may attend
+    #: ``[D, 1, 1, context]`` bool, True = may attend (``None`` for ``triton``).
+    mask: torch.Tensor | None
     context: int
     seq_lens: torch.Tensor  # [D] int64
     #: ``[2, D * blocks, block elements]``: the decodes' K and V blocks, allocated by
@@ -109,15 +136,23 @@ def build_layout(
     if decode_idx:
         lens = [meta.seq_lens_cpu[i] for i in decode_idx]
         context = max(lens)
-        index = torch.tensor(decode_idx, device=device)
-        seq = torch.tensor(lens, device=device)
-        mask = torch.arange(context, device=device)[None, :] < seq[:, None]
+        width = -(-context // block_size)
+        rows: torch.Tensor | None = None
+        if len(decode_idx) == len(meta.query_lens_cpu):
+            # Every request decodes: the step's own device tensors, no copy (what a
+            # CUDA graph of a decode step captures).
+            seq = meta.seq_lens.to(device)
+            decode_tables = tables if backend == "triton" else tables[:, :width]
+        else:
+            index = torch.tensor(decode_idx, device=device)
+            seq = torch.tensor(lens, device=device)
+            rows = torch.tensor(decode_rows, device=device)
+            decode_tables = tables[index, :width]
+        mask = None
+        if backend != "triton":
+            mask = (torch.arange(context, device=device)[None, :] < seq[:, None])[:, None, None, :]
         decodes = DecodeGroup(
-            rows=torch.tensor(decode_rows, device=device),
-            block_tables=tables[index, : -(-context // block_size)],
-            mask=mask[:, None, None, :],
-            context=context,
-            seq_lens=seq,
+            rows=rows, block_tables=decode_tables, mask=mask, context=context, seq_lens=seq
         )
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
@@ -179,24 +214,12 @@ def paged_attention(
     ``key`` and ``value`` (``[T, num_kv_heads, head_dim]``) are this step's, and
     ``kv_cache`` must already hold them (see :func:`write_kv`).
     """
-    out = torch.empty_like(query)
     group = layout.decodes
-    if group is not None and layout.backend == "triton":
-        from ec_frontend.model.triton_decode import paged_decode
-
-        out[group.rows] = paged_decode(
-            query[group.rows], kv_cache, group.block_tables, group.seq_lens, scale
-        )
-    elif group is not None:
-        if layout.backend == "gather":
-            k, v = _gather(kv_cache, group.block_tables, group.context, query.dtype)
-        else:
-            k, v = _decode_context(kv_cache, group, query.dtype)
-        q = query[group.rows][:, :, None, :]  # [D, heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
-        )
-        out[group.rows] = o[:, :, 0, :]
+    if group is not None and group.rows is None:
+        return _decode(query, kv_cache, group, layout.backend, scale)
+    out = torch.empty_like(query)
+    if group is not None:
+        out[group.rows] = _decode(query[group.rows], kv_cache, group, layout.backend, scale)
     if layout.backend == "gather":
         _gather_prefills(query, kv_cache, layout.prefills, scale, out)
         return out
@@ -221,6 +244,24 @@ def paged_attention(
         )
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode(
+    query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, backend: str, scale: float
+) -> torch.Tensor:
+    """``[D, heads, head_dim]`` outputs of the decodes' queries."""
+    if backend == "triton":
+        from ec_frontend.model.triton_decode import paged_decode
+
+        return paged_decode(query, kv_cache, group.block_tables, group.seq_lens, scale)
+    if backend == "gather":
+        k, v = _gather(kv_cache, group.block_tables, group.context, query.dtype)
+    else:
+        k, v = _decode_context(kv_cache, group, query.dtype)
+    o = F.scaled_dot_product_attention(
+        query[:, :, None, :], k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+    )
+    return o[:, :, 0, :]
 
 
 def _gather_prefills(

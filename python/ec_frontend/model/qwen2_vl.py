@@ -147,6 +147,11 @@ class Qwen2VLModel(VisionLanguageModel):
     ) -> torch.Tensor:
         return self._language()(inputs_embeds, positions, kv_caches, attn_metadata)
 
+    def decode_graphs_supported(self) -> bool:
+        # The triton backend reads each decode's context through its block table up to
+        # its device-side length; the others size tensors from the host lengths.
+        return self.language is not None and self.language.attention_backend == "triton"
+
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self._language().logits(hidden_states)

@@ -1,0 +1,22 @@
+"""Running test code under Triton's interpreter, which must be switched on
+(``TRITON_INTERPRET=1``) before Triton is first imported: in a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(code: str, timeout_s: float = 600) -> str:
+    """Run ``code`` with ``python -c`` from the repository root (so ``tests.…``
+    imports) with the interpreter on; its stdout, after asserting it exited 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
