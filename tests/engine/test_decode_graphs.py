@@ -13,6 +13,7 @@ capture itself is checked by ``benches/gpu_check_tests.py`` on a GPU.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,10 +156,11 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-def run_schedule(graphed: bool) -> dict[str, Any]:
+def run_schedule(graphed: bool, checkpoint: str | None = None) -> dict[str, Any]:
     """Ten requests (text and images, greedy and seeded sampling) arriving one per
     step into an engine of six sequences and a KV cache too small for all of them
-    (preemptions), one aborted mid-way; the tokens of each, and what ran."""
+    (preemptions), one aborted mid-way; the tokens of each, and what ran.
+    ``checkpoint``: a directory, else the built-in model (Qwen2-VL)."""
     import torch
     from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from ec_frontend.engine.core import EngineCore
@@ -170,7 +172,7 @@ def run_schedule(graphed: bool) -> dict[str, Any]:
     from tests.engine.conftest import chat_inputs, image_media
 
     torch.manual_seed(0)
-    path = ensure_builtin_checkpoint()
+    path = Path(checkpoint) if checkpoint else ensure_builtin_checkpoint()
     model = load_model(path, device="cpu", dtype="float32", attention_backend="triton")
     processor = load_processor(path)
     sched = SchedulerConfig(max_num_seqs=6, max_model_len=128, max_num_batched_tokens=96)
@@ -226,13 +228,23 @@ def run_schedule(graphed: bool) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_graphed_decode_steps_give_the_eager_tokens() -> None:
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_graphed_decode_steps_give_the_eager_tokens(family: str, tmp_path: Path) -> None:
+    """On the built-in Qwen2-VL model, and on a tiny Qwen3-VL checkpoint written by
+    transformers (its own decoder: q/k norms, DeepStack rows in the input)."""
+    checkpoint = ""
+    if family == "qwen3_vl":
+        from ..families.conftest import write_qwen3_vl
+
+        checkpoint = str(write_qwen3_vl(tmp_path / "qwen3-vl"))
     code = (
-        "import json\n"
+        "import json, sys\n"
         "from tests.engine.test_decode_graphs import run_schedule\n"
-        "print(json.dumps({'eager': run_schedule(False), 'graphed': run_schedule(True)}))\n"
+        "path = sys.argv[1] if len(sys.argv) > 1 else None\n"
+        "print(json.dumps({'eager': run_schedule(False, path), "
+        "'graphed': run_schedule(True, path)}))\n"
     )
-    result = json.loads(run_interpreted(code).strip().splitlines()[-1])
+    result = json.loads(run_interpreted(code, args=[checkpoint]).strip().splitlines()[-1])
     eager, graphed = result["eager"], result["graphed"]
     assert graphed["tokens"] == eager["tokens"]
     assert set(eager["tokens"]) == {f"r{i}" for i in range(10)}
