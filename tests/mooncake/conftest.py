@@ -35,6 +35,17 @@ def _kill_leftovers() -> None:
             proc.wait()
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            # "tid (comm) state ...": the state follows the last ")".
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -89,8 +100,15 @@ class Master:
         }
 
     def pause(self) -> None:
-        """The master stops answering (its sockets stay open)."""
+        """The master stops answering (its sockets stay open). ``kill`` returns before
+        every thread has stopped (a thread on another core can still answer a request
+        or two; seen here about once in ten), so this waits until all have."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _all_threads_stopped(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError("mooncake_master did not stop")
+            time.sleep(0.002)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
