@@ -33,8 +33,9 @@ from torch.nn.attention.bias import causal_lower_right
 from ec_frontend.engine.config import ATTENTION_BACKENDS, ConfigError
 from ec_frontend.model.interface import AttentionMetadata
 
-#: ``sdpa``: 4-D fused-kernel calls (the default); ``gather``: the previous path;
-#: ``triton``: ``sdpa`` prefills, decodes read in place by a Triton kernel.
+#: ``sdpa``: 4-D fused-kernel calls (the default on the CPU); ``gather``: the previous
+#: path; ``triton``: ``sdpa`` prefills, decodes read in place by a Triton kernel (the
+#: default on CUDA, see :func:`resolve_backend`).
 BACKENDS = ATTENTION_BACKENDS
 
 
