@@ -90,20 +90,34 @@ sys.exit(3)
 """
 
 
+def _start_client(script: str, master: Master) -> subprocess.Popen[bytes]:
+    """A process running ``script`` against ``master``, once its client has put an item."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, master.address, master.metadata_server],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(b"ready"):
+            return proc
+    pytest.fail(f"the client did not start: rc {proc.wait()}")
+
+
+def _stop(proc: subprocess.Popen[bytes], master: Master) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    master.kill()
+
+
 @pytest.mark.parametrize("fault", ["killed", "hung", "alive"])
 def test_a_process_with_a_store_client_exits_with_its_own_status(fault: str) -> None:
     master = Master()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, master.address, master.metadata_server],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc = _start_client(SCRIPT, master)
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        for line in proc.stdout:
-            if line.startswith(b"ready"):
-                break
-        else:
-            pytest.fail(f"the client did not start: rc {proc.wait()}")
+        assert proc.stdin is not None
         if fault == "killed":
             master.kill()
         elif fault == "hung":
@@ -114,9 +128,31 @@ def test_a_process_with_a_store_client_exits_with_its_own_status(fault: str) -> 
         # A live master: the native close (about 2 s); otherwise a probe of at most 2 s.
         assert time.monotonic() - start < 10
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        master.kill()
+        _stop(proc, master)
+
+
+def test_a_master_that_stops_after_the_close_probe_cannot_hang_the_exit() -> None:
+    """The master answers the close's probe and then stops (here: the probe is made to
+    pass against a stopped master). Mooncake's native close then waits on it holding
+    the GIL; the exit watchdog ends the process after 2 + 3 x 2 s (probe, three call
+    timeouts) with status 1 and every thread's traceback. Before it, the process
+    stayed until the master came back."""
+    after_probe = (
+        "import ec_frontend.connectors.mooncake_store as store\n"
+        "store.unreachable = lambda *args: None\n"
+    )
+    master = Master()
+    proc = _start_client(SCRIPT.replace("sys.exit(3)", after_probe + "sys.exit(3)"), master)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        master.pause()
+        start = time.monotonic()
+        proc.stdin.close()
+        code = proc.wait(timeout=40)
+        elapsed = time.monotonic() - start
+        out = proc.stdout.read().decode(errors="replace")
+        assert code == 1, out[-3000:]
+        assert 8 <= elapsed < 25, elapsed
+        assert "Timeout (0:00:08)!" in out and "_close_open_stores" in out, out[-3000:]
+    finally:
+        _stop(proc, master)

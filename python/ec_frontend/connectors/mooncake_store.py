@@ -54,6 +54,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import ctypes
+import faulthandler
 import logging
 import struct
 import threading
@@ -565,9 +566,29 @@ _OPEN: weakref.WeakSet[EmbeddingStore] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_stores() -> None:
-    """At exit, every Store client still open closes (bounded) before the native teardown."""
-    for store in list(_OPEN):
-        store.close()
+    """At exit, every Store client still open closes before the native teardown.
+
+    A close runs Mooncake's native close only after the master answered a probe, but
+    a master that stops answering just after it leaves that close waiting, and it
+    holds the GIL, so no Python-level timeout can end it. A watchdog that needs no
+    GIL (``faulthandler``) bounds the whole step: past :func:`_exit_close_bound_s`,
+    it prints every thread's traceback and ends the process with status 1.
+    """
+    stores = list(_OPEN)
+    if not stores:
+        return
+    faulthandler.dump_traceback_later(_exit_close_bound_s(stores), exit=True)
+    try:
+        for store in stores:
+            store.close()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _exit_close_bound_s(stores: list[EmbeddingStore]) -> float:
+    """Per client: its probe, then three times its call timeout for the native close
+    (about 2 s against a live master)."""
+    return sum(CLOSE_PROBE_S + 3 * store.settings.timeout_s for store in stores)
 
 
 class MooncakeStoreECConnector(ECConnectorBase):
