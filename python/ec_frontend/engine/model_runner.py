@@ -102,11 +102,11 @@ class ModelRunner:
         self.block_size = block_size
         self.encoder_only = num_kv_blocks is None
         self.kv_caches: list[torch.Tensor] = []
-        graphs = graph_plan is not None and num_kv_blocks is not None
-        graphs = graphs and model.decode_graphs_supported()
+        if graph_plan is not None and not (num_kv_blocks and model.decode_graphs_supported()):
+            graph_plan = None
         if num_kv_blocks is not None:
             spec = model.kv_cache_spec()
-            physical = num_kv_blocks + 1 if graphs else num_kv_blocks
+            physical = num_kv_blocks + 1 if graph_plan is not None else num_kv_blocks
             shape = (2, physical, block_size, spec.num_kv_heads, spec.head_dim)
             self.kv_caches = [
                 torch.zeros(shape, dtype=spec.dtype, device=model.device)
@@ -121,8 +121,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         self.input_batch = InputBatch(block_size, model.device)
         self.decode_graphs: DecodeGraphs | None = None
-        if graphs:
-            assert graph_plan is not None and num_kv_blocks is not None
+        if graph_plan is not None and num_kv_blocks is not None:
             self.decode_graphs = self._capture_graphs(graph_plan, num_kv_blocks)
 
     def _capture_graphs(self, plan: GraphPlan, scratch_block: int) -> DecodeGraphs | None:
