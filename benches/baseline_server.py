@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import uvicorn
+from ec_frontend.engine.mock import MockEngine, MockEngineConfig
 from ec_frontend.engine.sampling_params import SamplingParams
-from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.async_engine import AsyncEngine
-from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 from PIL import Image

@@ -54,7 +54,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from bench_attention import random_text_model
     from bench_prefix import TextModel, text_inputs
-    from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.sampling_params import SamplingParams
 

@@ -374,14 +374,14 @@ class _Image:
 def ceiling(args: list[str], opts: argparse.Namespace) -> list[dict[str, Any]]:
     """Output tokens/s of the engine core alone (see the module doc), per concurrency."""
     import torch
-    from ec_frontend.engine.sampling_params import SamplingParams
-    from ec_frontend.entrypoints.launcher import ServeOptions
-    from ec_frontend.entrypoints.real_engine import (
+    from ec_frontend.engine.builder import (
         build_core,
         cpu_threads,
         engine_config,
         engine_process_threads,
     )
+    from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.entrypoints.launcher import ServeOptions
     from ec_frontend.model.builtin import BUILTIN_MODEL_ID
 
     flags = argparse.ArgumentParser(add_help=False)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from bench_attention import add_model_args, random_text_model
-from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel

@@ -49,8 +49,8 @@ from typing import Any
 
 import llguidance
 import torch
+from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.async_engine import AsyncEngine
-from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.sampler import Sampler, SamplingRow
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.engine.structured_output import (

@@ -42,6 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from ec_frontend.config import KVTransferConfig
 from ec_frontend.connectors.kv_base import KVConnectorRole
 from ec_frontend.connectors.kv_side_channel import KVSideChannelConnector
 from ec_frontend.connectors.kv_side_channel import _Load as SideLoad
@@ -52,7 +53,6 @@ from ec_frontend.connectors.mooncake_store import HEADER, EmbeddingStore, StoreS
 from ec_frontend.connectors.side_channel_wire import dtype_name, request_tensor
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY
-from ec_frontend.engine.config import KVTransferConfig
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
 DTYPE = torch.bfloat16

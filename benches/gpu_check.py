@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.model.builtin import ensure_builtin_checkpoint

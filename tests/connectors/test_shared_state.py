@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import ECTransferConfig, KVTransferConfig
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.factory import (
     create_ec_connector,
@@ -26,7 +27,6 @@ from ec_frontend.connectors.kv_base import KVConnectorRole
 from ec_frontend.connectors.kv_pull import PullLoad
 from ec_frontend.connectors.kv_side_channel import KVSideChannelConnector
 from ec_frontend.connectors.kv_transfer_params import parse_remote_prefill
-from ec_frontend.engine.config import ECTransferConfig, KVTransferConfig
 
 PROMPT = list(range(100, 117))  # 17 tokens: 3 blocks of 8
 

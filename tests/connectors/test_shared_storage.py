@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import ConfigError, ECTransferConfig
 from ec_frontend.connectors.base import (
     ECConnectorMetadata,
     ECConnectorRole,
@@ -22,7 +23,6 @@ from ec_frontend.connectors.example_storage import ECExampleConnector
 from ec_frontend.connectors.factory import create_ec_connector, ec_connector_names
 from ec_frontend.connectors.noop import NoOpECConnector
 from ec_frontend.connectors.shared_storage import ECSharedStorageConnector
-from ec_frontend.engine.config import ConfigError, ECTransferConfig
 
 
 def h(name: str) -> str:
@@ -144,7 +144,7 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
         "import sys, torch\n"
         "from ec_frontend.connectors.base import ECConnectorRole\n"
         "from ec_frontend.connectors.factory import create_ec_connector\n"
-        "from ec_frontend.engine.config import ECTransferConfig\n"
+        "from ec_frontend.config import ECTransferConfig\n"
         "cfg = ECTransferConfig('ECSharedStorageConnector', 'ec_producer',"
         " {'shared_storage_path': sys.argv[1]})\n"
         "conn = create_ec_connector(cfg, ECConnectorRole.WORKER)\n"

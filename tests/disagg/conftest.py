@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from ec_frontend.config import TRANSFER_SECRET_ENV
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, signed
-from ec_frontend.engine.config import TRANSFER_SECRET_ENV
 from PIL import Image
 
 from ..helpers.processes import Proc

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ec_frontend.entrypoints.proxy import as_references, item_uuid, part_key
+from ec_frontend.entrypoints.proxy.app import as_references, item_uuid, part_key
 
 from ..helpers.processes import Proc, free_port, start_all
 from .conftest import (

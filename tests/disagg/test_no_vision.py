@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ec_frontend.connectors.transfer_trust import new_token, signed
-from ec_frontend.engine.config import (
+from ec_frontend.config import (
     ECTransferConfig,
     EngineConfig,
     SchedulerConfig,
     TransferTrust,
 )
+from ec_frontend.connectors.transfer_trust import new_token, signed
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import orjson
-from ec_frontend.entrypoints.proxy import ProxyConfig, build_proxy_app
+from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 BODY = {

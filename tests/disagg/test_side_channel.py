@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import ConfigError, ECTransferConfig, KVTransferConfig
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.ec_side_channel import ECSideChannelConnector, parse_peer
 from ec_frontend.connectors.kv_base import KVConnectorRole
@@ -24,7 +25,6 @@ from ec_frontend.connectors.side_channel_wire import (
     tensor_payload,
 )
 from ec_frontend.connectors.transfer_settings import Settings
-from ec_frontend.engine.config import ConfigError, ECTransferConfig, KVTransferConfig
 from ec_frontend.engine.request import Request
 from ec_frontend.engine.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ec_frontend.engine.config import (
+from ec_frontend.config import (
     CacheConfig,
     ECTransferConfig,
     EngineConfig,

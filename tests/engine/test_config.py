@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from ec_frontend.engine.config import (
+from ec_frontend.config import (
     CacheConfig,
     ConfigError,
     ECTransferConfig,

@@ -15,18 +15,13 @@ import pytest
 import torch
 from ec_frontend.engine.async_engine import AsyncEngine
 from ec_frontend.engine.core import EngineCore
-from ec_frontend.engine.core_proc import (
-    Codec,
-    EngineProcess,
-    EngineSpec,
-    StartupError,
-    pack_dataclass,
-    unpack_fields,
-)
+from ec_frontend.engine.core_proc import EngineProcess, EngineSpec
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer
 from ec_frontend.engine.mp_client import MPEngineClient, StreamDetokenizer, make_detokenizer
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.engine.wire import Codec, pack_dataclass, unpack_fields
+from ec_frontend.errors import StartupError
 from ec_frontend.model.processor import MultiModalFeature, ProcessedInputs
 
 from .conftest import chat_inputs, engine_config, image_media
@@ -285,7 +280,7 @@ def test_mock_core_in_its_process_answers_as_the_in_process_mock() -> None:
     """``--mock-engine`` with the multiprocess engine (the mock model behind the real
     engine core, over ZMQ) gives the in-process mock engine's tokens, text, stops,
     logprobs, transfer params and failures, without loading torch."""
-    from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
+    from ec_frontend.engine.mock import MockEngine, MockEngineConfig
 
     cfg = MockEngineConfig(model="m")
     local = MockEngine(cfg)

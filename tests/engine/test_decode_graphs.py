@@ -162,7 +162,7 @@ def run_schedule(graphed: bool, checkpoint: str | None = None) -> dict[str, Any]
     (preemptions), one aborted mid-way; the tokens of each, and what ran.
     ``checkpoint``: a directory, else the built-in model (Qwen2-VL)."""
     import torch
-    from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.cuda_graphs import GraphPlan, eager_capture
     from ec_frontend.engine.sampling_params import SamplingParams

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import ECTransferConfig
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.shared_storage import ECSharedStorageConnector
-from ec_frontend.engine.config import ECTransferConfig
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams

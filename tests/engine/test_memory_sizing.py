@@ -13,14 +13,14 @@ from typing import Any
 import openai
 import pytest
 import torch
-from ec_frontend.engine import kv_cache
-from ec_frontend.engine.config import (
+from ec_frontend.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     CacheConfig,
     ConfigError,
     EngineConfig,
     SchedulerConfig,
 )
+from ec_frontend.engine import kv_cache
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.kv_cache import cdiv, plan_kv_cache
 from ec_frontend.model.interface import VisionLanguageModel

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import SchedulerConfig
 from ec_frontend.connectors.kv_base import KVConnectorRole
 from ec_frontend.connectors.noop import NoOpKVConnector
 from ec_frontend.engine.block_hash import extend_block_hashes
-from ec_frontend.engine.config import SchedulerConfig
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager
 from ec_frontend.engine.outputs import ModelRunnerOutput

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from ec_frontend.engine.config import SchedulerConfig
+from ec_frontend.config import SchedulerConfig
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager
 from ec_frontend.engine.model_inputs import InputBatch, StepRequest

@@ -62,7 +62,7 @@ def test_seed_minus_one_is_no_seed() -> None:
 
 
 def test_seed_minus_one_stays_unseeded_for_every_choice() -> None:
-    from ec_frontend.entrypoints.sampling import build_sampling_params
+    from ec_frontend.entrypoints.openai.sampling import build_sampling_params
 
     assert [build_sampling_params({"seed": -1}, choice=i).seed for i in range(3)] == [None] * 3
     assert [build_sampling_params({"seed": 5}, choice=i).seed for i in range(3)] == [5, 6, 7]
@@ -82,9 +82,9 @@ def test_refused_sampling_params_reserve_no_engine_request_id() -> None:
     import asyncio
 
     from ec_frontend._core import parse_request
-    from ec_frontend.entrypoints.errors import APIError
-    from ec_frontend.entrypoints.mock_engine import MockEngine
-    from ec_frontend.entrypoints.serving import Serving, ServingConfig
+    from ec_frontend.engine.mock import MockEngine
+    from ec_frontend.entrypoints.http.errors import APIError
+    from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
     from ec_frontend.metrics import ServerMetrics
 
     serving = Serving(

@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 from ec_frontend import parse_request
+from ec_frontend.config import SchedulerConfig
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.kv_base import KVConnectorRole
 from ec_frontend.connectors.noop import NoOpECConnector, NoOpKVConnector
-from ec_frontend.engine.config import SchedulerConfig
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager
 from ec_frontend.engine.outputs import RequestOutput

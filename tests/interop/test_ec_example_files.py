@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ec_frontend.config import ECTransferConfig
 from ec_frontend.connectors.base import ECConnectorMetadata, ECConnectorRole, ECLoadSpec
 from ec_frontend.connectors.factory import create_ec_connector
-from ec_frontend.engine.config import ECTransferConfig
 from safetensors.torch import load_file
 
 from .conftest import run_vllm

@@ -22,8 +22,8 @@ from typing import Any
 
 import ec_frontend as ecf
 import pytest
-from ec_frontend.entrypoints.errors import APIError
-from ec_frontend.entrypoints.sampling import build_sampling_params
+from ec_frontend.entrypoints.http.errors import APIError
+from ec_frontend.entrypoints.openai.sampling import build_sampling_params
 
 from .conftest import run_vllm
 

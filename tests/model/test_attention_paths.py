@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from ec_frontend.engine.config import ConfigError, EngineConfig
+from ec_frontend.config import ConfigError, EngineConfig
 from ec_frontend.model.interface import AttentionMetadata
 from ec_frontend.model.paged_attention import (
     BACKENDS,

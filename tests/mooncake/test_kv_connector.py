@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import KVTransferConfig, TransferTrust
 from ec_frontend.connectors.kv_base import KVConnectorRole, KVLoadResult
 from ec_frontend.connectors.mooncake_kv import MooncakeConnector, RemoteLayout, read_plan
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, signed
-from ec_frontend.engine.config import KVTransferConfig, TransferTrust
 
 PROMPT = list(range(40, 61))  # 21 tokens: 3 blocks of 8
 SECRET = b"mooncake-kv-test-secret-0123456789"

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from ec_frontend.config import ConfigError, ECTransferConfig, KVTransferConfig
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.factory import create_ec_connector, create_kv_connector
 from ec_frontend.connectors.kv_base import KVConnectorRole
-from ec_frontend.engine.config import ConfigError, ECTransferConfig, KVTransferConfig
 
 EC = {"ec_connector": "MooncakeStoreECConnector", "ec_role": "ec_consumer",
       "ec_connector_extra_config": {"master_server_address": "127.0.0.1:1"}}  # fmt: skip
@@ -34,7 +34,7 @@ def test_side_channels_do_not_import_mooncake() -> None:
         "import sys\n"
         "from ec_frontend.connectors.factory import create_kv_connector\n"
         "from ec_frontend.connectors.kv_base import KVConnectorRole\n"
-        "from ec_frontend.engine.config import KVTransferConfig\n"
+        "from ec_frontend.config import KVTransferConfig\n"
         "c = KVTransferConfig.from_json({'kv_connector': 'KVSideChannelConnector',"
         " 'kv_role': 'kv_consumer'})\n"
         "create_kv_connector(c, KVConnectorRole.SCHEDULER)\n"

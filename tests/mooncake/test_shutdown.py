@@ -74,7 +74,7 @@ SCRIPT = """
 import sys
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.mooncake_store import MooncakeStoreECConnector
-from ec_frontend.engine.config import ECTransferConfig
+from ec_frontend.config import ECTransferConfig
 import torch
 config = ECTransferConfig.from_json({
     "ec_connector": "MooncakeStoreECConnector", "ec_role": "ec_producer",

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from ec_frontend.config import ConfigError, ECTransferConfig
 from ec_frontend.connectors.base import ECConnectorMetadata, ECConnectorRole, ECLoadSpec
 from ec_frontend.connectors.mooncake_store import (
     MooncakeStoreECConnector,
@@ -25,7 +26,6 @@ from ec_frontend.connectors.mooncake_store import (
     embedding_key,
     embedding_namespace,
 )
-from ec_frontend.engine.config import ConfigError, ECTransferConfig
 
 from .conftest import Master, raw_client, until
 

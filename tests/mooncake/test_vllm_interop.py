@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ec_frontend.config import ECTransferConfig
 from ec_frontend.connectors.base import ECConnectorMetadata, ECConnectorRole, ECLoadSpec
 from ec_frontend.connectors.mooncake_store import MooncakeStoreECConnector
-from ec_frontend.engine.config import ECTransferConfig
 
 from ..interop.conftest import vllm_venv
 from .conftest import Master

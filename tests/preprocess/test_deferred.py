@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from ec_frontend.engine.core_proc import Codec, pack_dataclass, unpack_fields
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.encoder_planner import EncoderInputPlanner
 from ec_frontend.engine.request import Request
 from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.engine.wire import Codec, pack_dataclass, unpack_fields
 from ec_frontend.model.loader import load_processor
 from ec_frontend.model.native_preprocess import decode_deferred, images_preprocessed
 from ec_frontend.model.processor import InputProcessor, MultiModalFeature, ProcessedInputs

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
-from ec_frontend.entrypoints.server import ServerConfig, build_app
+from ec_frontend.engine.mock import MockEngine, MockEngineConfig
+from ec_frontend.entrypoints.openai.server import ServerConfig, build_app
 
 from ..helpers.processes import Proc
 from .test_limits import SMALL_PNG, chat_body, data_url, rss_kib

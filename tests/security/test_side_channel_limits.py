@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import pytest
 import torch
+from ec_frontend.config import ECTransferConfig, KVTransferConfig, TransferTrust
 from ec_frontend.connectors.base import ECConnectorMetadata, ECConnectorRole, ECLoadSpec
 from ec_frontend.connectors.ec_side_channel import (
     ECSideChannelConnector,
@@ -39,7 +40,6 @@ from ec_frontend.connectors.side_channel_wire import (
     tensor_payload,
 )
 from ec_frontend.connectors.tensor_checks import all_finite
-from ec_frontend.engine.config import ECTransferConfig, KVTransferConfig, TransferTrust
 
 SECRET = b"side-channel-limits-secret-0123456789"
 TOKEN = "7" * 32

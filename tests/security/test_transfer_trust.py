@@ -19,6 +19,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from ec_frontend.config import (
+    TRANSFER_SECRET_ENV,
+    ConfigError,
+    ECTransferConfig,
+    KVTransferConfig,
+    TransferTrust,
+    parse_transfer_peers,
+)
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.ec_side_channel import ECSideChannelConnector
 from ec_frontend.connectors.kv_base import KVConnectorRole
@@ -32,17 +40,9 @@ from ec_frontend.connectors.transfer_trust import (
     sign,
     signed,
 )
-from ec_frontend.engine.config import (
-    TRANSFER_SECRET_ENV,
-    ConfigError,
-    ECTransferConfig,
-    KVTransferConfig,
-    TransferTrust,
-    parse_transfer_peers,
-)
 from ec_frontend.engine.request import Request
 from ec_frontend.engine.sampling_params import SamplingParams
-from ec_frontend.entrypoints.proxy import strip_transfer_params
+from ec_frontend.entrypoints.proxy.app import strip_transfer_params
 from ec_frontend.model.processor import MultiModalFeature
 
 from ..disagg.conftest import messages, png_data_url, proxy, serve, side_channel_ec, side_channel_kv

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from ec_frontend.entrypoints.mock_engine import MockEngine, MockEngineConfig
-from ec_frontend.entrypoints.server import App, ServerConfig, build_app
+from ec_frontend.engine.mock import MockEngine, MockEngineConfig
+from ec_frontend.entrypoints.openai.server import App, ServerConfig, build_app
 
 BODY = orjson.dumps({"prompt": "abc", "max_tokens": 5})
 

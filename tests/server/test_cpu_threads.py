@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from ec_frontend.engine.config import ConfigError
+from ec_frontend.config import ConfigError
+from ec_frontend.engine.builder import CPU_THREADS_ENV, cpu_threads, engine_process_threads
 from ec_frontend.entrypoints.launcher import ServeOptions
-from ec_frontend.entrypoints.real_engine import CPU_THREADS_ENV, cpu_threads, engine_process_threads
 
 
 @pytest.mark.parametrize(

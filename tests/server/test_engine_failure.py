@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from ec_frontend.entrypoints.errors import engine_failure
-from ec_frontend.entrypoints.openai_format import stream_error
+from ec_frontend.entrypoints.http.errors import engine_failure
+from ec_frontend.entrypoints.openai.chat_format import stream_error
 
 KV = "KV transfer from the prefill instance 127.0.0.1:9"
 

@@ -1,7 +1,7 @@
 """The OpenAI API through the official client, against a mock-engine server process.
 
 The mock engine echoes prompt tokens (one token per character), so the expected
-text of every request is known exactly; see ``entrypoints/mock_engine.py``.
+text of every request is known exactly; see ``engine/mock.py``.
 """
 
 from __future__ import annotations

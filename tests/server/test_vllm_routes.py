@@ -324,7 +324,7 @@ def test_model_text_of_unfinished_characters_is_released_at_the_end(
 
 def test_openapi_schema_has_unique_operation_ids() -> None:
     """Each method of ``/ping`` has its own operation id: building the schema warns of nothing."""
-    from ec_frontend.entrypoints import vllm_routes
+    from ec_frontend.entrypoints.openai import vllm_routes
     from fastapi import FastAPI
 
     api = FastAPI()

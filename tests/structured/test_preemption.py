@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.engine.structured_output import GrammarCompiler

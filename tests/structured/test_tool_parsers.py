@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from ec_frontend.entrypoints.tool_parsers import (
+from ec_frontend.entrypoints.openai.tool_parsers import (
     ChatToolStream,
     HermesParser,
     HermesStream,

@@ -23,7 +23,7 @@ from ec_frontend.connectors.halves import ConnectorHalf
 if TYPE_CHECKING:
     import torch
 
-    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.config import ECTransferConfig
     from ec_frontend.engine.request import Request
     from ec_frontend.engine.scheduler_output import SchedulerOutput
 
@@ -151,3 +151,22 @@ class ECConnectorBase(ConnectorHalf, ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(done_sending, done_receiving)`` request ids since the last call."""
         return None, None
+
+
+class ECQueuedLoadsConnector(ECConnectorBase):
+    """An EC connector whose loads need nothing but the item: each allocated item
+    is queued and handed to the next step's metadata (a shared directory, a store).
+    Subclasses implement the rest of the interface."""
+
+    def __init__(self, config: ECTransferConfig | None, role: ECConnectorRole) -> None:
+        super().__init__(config, role)
+        self._pending: list[ECLoadSpec] = []
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        feature = request.mm_features[index]
+        self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        meta = ECConnectorMetadata(loads=self._pending)
+        self._pending = []
+        return meta

@@ -89,7 +89,7 @@ from ec_frontend.connectors.transfer_trust import (
 )
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.config import ECTransferConfig
     from ec_frontend.engine.request import Request
     from ec_frontend.engine.scheduler_output import SchedulerOutput
 

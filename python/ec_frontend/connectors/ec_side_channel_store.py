@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ec_frontend._core import is_valid_mm_hash
+from ec_frontend.config import ConfigError
 from ec_frontend.connectors.side_channel_wire import SideChannelServer, tensor_payload
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY, new_token, valid_token
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
+    from ec_frontend.config import ECTransferConfig
     from ec_frontend.connectors.transfer_settings import Settings
-    from ec_frontend.engine.config import ECTransferConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.config import ConfigError
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
 from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import ECTransferConfig, KVTransferConfig
+    from ec_frontend.config import ECTransferConfig, KVTransferConfig
 
 _EC_CONNECTORS: dict[str, str] = {
     "ECSharedStorageConnector": "ec_frontend.connectors.shared_storage:ECSharedStorageConnector",
@@ -37,13 +37,26 @@ _KV_CONNECTORS: dict[str, str] = {
 }
 
 
+def _register(registry: dict[str, str], kind: str, name: str, target: str) -> None:
+    if name in registry:
+        raise ValueError(f"{kind} connector {name!r} is already registered ({registry[name]})")
+    module, _, cls = target.partition(":")
+    if not module or not cls:
+        raise ValueError(
+            f"{kind} connector target must be 'package.module:ClassName', got {target!r}"
+        )
+    registry[name] = target
+
+
 def register_ec_connector(name: str, target: str) -> None:
-    """Map ``name`` to ``"package.module:ClassName"``."""
-    _EC_CONNECTORS[name] = target
+    """Map ``name`` to ``"package.module:ClassName"``; a name already registered is a
+    ``ValueError`` (vLLM's rule: a plugin cannot replace a connector silently)."""
+    _register(_EC_CONNECTORS, "EC", name, target)
 
 
 def register_kv_connector(name: str, target: str) -> None:
-    _KV_CONNECTORS[name] = target
+    """As :func:`register_ec_connector`, for KV connectors."""
+    _register(_KV_CONNECTORS, "KV", name, target)
 
 
 def ec_connector_names() -> list[str]:

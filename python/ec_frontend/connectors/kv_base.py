@@ -17,7 +17,7 @@ from ec_frontend.connectors.halves import ConnectorHalf
 if TYPE_CHECKING:
     import torch
 
-    from ec_frontend.engine.config import KVTransferConfig
+    from ec_frontend.config import KVTransferConfig
     from ec_frontend.engine.request import Request
     from ec_frontend.engine.scheduler_output import SchedulerOutput
 

@@ -59,7 +59,7 @@ from ec_frontend.connectors.transfer_trust import (
 if TYPE_CHECKING:
     import torch
 
-    from ec_frontend.engine.config import KVTransferConfig
+    from ec_frontend.config import KVTransferConfig
     from ec_frontend.engine.request import Request
     from ec_frontend.engine.scheduler_output import SchedulerOutput
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ec_frontend.config import ConfigError
 from ec_frontend.connectors.kv_pull import Hold, KVPullConnector, PullLoad, PullState
 from ec_frontend.connectors.kv_transfer_params import RemotePrefill
 from ec_frontend.connectors.side_channel_wire import (
@@ -54,10 +55,9 @@ from ec_frontend.connectors.side_channel_wire import (
 )
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY, valid_token
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import KVTransferConfig
+    from ec_frontend.config import KVTransferConfig
     from ec_frontend.engine.request import Request
 
 logger = logging.getLogger(__name__)

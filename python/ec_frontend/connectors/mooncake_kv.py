@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ec_frontend.config import ConfigError
 from ec_frontend.connectors.kv_pull import Hold, KVPullConnector, PullLoad, PullState
 from ec_frontend.connectors.kv_transfer_params import RemotePrefill
 from ec_frontend.connectors.mooncake_common import import_mooncake, positive_float
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import KVTransferConfig
+    from ec_frontend.config import KVTransferConfig
     from ec_frontend.engine.request import Request
 
 logger = logging.getLogger(__name__)

@@ -65,11 +65,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ec_frontend._core import is_valid_mm_hash
+from ec_frontend.config import ConfigError
 from ec_frontend.connectors.base import (
-    ECConnectorBase,
-    ECConnectorMetadata,
     ECConnectorRole,
-    ECLoadSpec,
+    ECQueuedLoadsConnector,
 )
 from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.mooncake_common import (
@@ -85,12 +84,10 @@ from ec_frontend.connectors.mooncake_common import (
     unreachable,
 )
 from ec_frontend.connectors.tensor_checks import tensor_problem
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.config import ECTransferConfig
     from ec_frontend.engine.request import Request
-    from ec_frontend.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -591,7 +588,7 @@ def _exit_close_bound_s(stores: list[EmbeddingStore]) -> float:
     return sum(CLOSE_PROBE_S + 3 * store.settings.timeout_s for store in stores)
 
 
-class MooncakeStoreECConnector(ECConnectorBase):
+class MooncakeStoreECConnector(ECQueuedLoadsConnector):
     """Encoder outputs in Mooncake Store under vLLM's key namespace."""
 
     def __init__(
@@ -602,7 +599,6 @@ class MooncakeStoreECConnector(ECConnectorBase):
     ) -> None:
         super().__init__(config, role)
         self.store = shared if shared is not None else self.create_shared(config)
-        self._pending: list[ECLoadSpec] = []
 
     @classmethod
     def create_shared(cls, config: ECTransferConfig) -> EmbeddingStore:
@@ -615,15 +611,6 @@ class MooncakeStoreECConnector(ECConnectorBase):
         if not is_valid_mm_hash(mm_hash):
             return False
         return self.store.exists([self.store.key(mm_hash)])[0]
-
-    def update_state_after_alloc(self, request: Request, index: int) -> None:
-        feature = request.mm_features[index]
-        self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        meta = ECConnectorMetadata(loads=self._pending)
-        self._pending = []
-        return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if not self.is_producer or not request.mm_features:

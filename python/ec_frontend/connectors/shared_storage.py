@@ -34,20 +34,18 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ec_frontend._core import is_valid_mm_hash
+from ec_frontend.config import ConfigError
 from ec_frontend.connectors.base import (
-    ECConnectorBase,
-    ECConnectorMetadata,
     ECConnectorRole,
     ECLoadSpec,
+    ECQueuedLoadsConnector,
 )
 from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.tensor_checks import tensor_problem
-from ec_frontend.engine.config import ConfigError
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import ECTransferConfig
+    from ec_frontend.config import ECTransferConfig
     from ec_frontend.engine.request import Request
-    from ec_frontend.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ def _optional_positive(extra: Any, key: str) -> int | None:
     return value
 
 
-class ECSharedStorageConnector(ECConnectorBase):
+class ECSharedStorageConnector(ECQueuedLoadsConnector):
     """Encoder outputs as files under ``shared_storage_path``.
 
     The file layout is in the ``_lstat_item`` ... ``_remove`` methods, so a
@@ -90,7 +88,6 @@ class ECSharedStorageConnector(ECConnectorBase):
         self.max_item_bytes = _optional_positive(extra, "max_item_bytes") or 256 << 20
         if self.is_producer:
             os.makedirs(self.root, exist_ok=True)
-        self._pending: list[ECLoadSpec] = []
 
     def path_for(self, mm_hash: str) -> str:
         """The file of ``mm_hash``; raises ``ValueError`` for anything but lower-case hex."""
@@ -108,15 +105,6 @@ class ECSharedStorageConnector(ECConnectorBase):
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode)
-
-    def update_state_after_alloc(self, request: Request, index: int) -> None:
-        feature = request.mm_features[index]
-        self._pending.append(ECLoadSpec(feature.mm_hash, feature.length, request.request_id))
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        meta = ECConnectorMetadata(loads=self._pending)
-        self._pending = []
-        return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if not self.is_producer:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import TransferTrust
+    from ec_frontend.config import TransferTrust
 
 SIGNATURE_KEY = "signature"
 TOKEN_KEY = "token"

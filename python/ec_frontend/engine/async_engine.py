@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ec_frontend.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.sampling_params import SamplingParams
     from ec_frontend.engine.stats import EngineStats

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.config import EngineConfig
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
 from ec_frontend.connectors.factory import create_ec_connectors, create_kv_connectors
 from ec_frontend.connectors.kv_base import KVConnectorBase
 from ec_frontend.connectors.noop import NoOpECConnector
-from ec_frontend.engine.config import EngineConfig
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager, plan_kv_cache

@@ -1,4 +1,4 @@
-"""The engine core in its own process, and the message schema both sides speak.
+"""The engine core in its own process: the process handle and the engine side.
 
 The process is a fresh interpreter (spawned, never forked: CUDA-safe) that imports
 only what the engine needs, builds an :class:`~ec_frontend.engine.core.EngineCore`
@@ -12,11 +12,8 @@ and runs a busy step loop (no asyncio) between two ZMQ ROUTER sockets:
   the step's stats snapshot and the request ids that connectors keep holding
   after they finished.
 
-Messages are msgpack (msgspec) headers, version :data:`PROTOCOL_VERSION`. Tensors
-(pixel values, M-RoPE positions, image embeddings) travel as extra frames after
-the header, sent without copying and received as views of the frame; the header
-holds their dtype and shape. Request ids are a client's own: with more than one
-client the engine keys its requests by ``(client, id)``.
+The messages are :mod:`ec_frontend.engine.wire`'s. Request ids are a client's own:
+with more than one client the engine keys its requests by ``(client, id)``.
 
 The engine process exits when its parent dies (the parent pid is polled between
 steps and while idle), so a killed server leaves no orphan behind.
@@ -39,33 +36,35 @@ import sys
 import tempfile
 import time
 import types
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
+from ec_frontend.engine.wire import (
+    ABORT,
+    ADD,
+    PROTOCOL_VERSION,
+    SHUTDOWN,
+    STOP,
+    WELCOME,
+    Codec,
+    EngineOutput,
+    EngineOutputs,
+    _torch,
+    pack_output,
+    unpack_fields,
+)
+from ec_frontend.errors import StartupError
+
 if TYPE_CHECKING:
-    from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 1
-
-# ---- message kinds (the first element of every header) -----------------------
-#: client -> engine (input socket)
-ADD, ABORT, STOP, SHUTDOWN = "add", "abort", "stop", "shutdown"
-#: client -> engine (output socket), and the engine's answer
-HELLO, WELCOME = b"hello", "welcome"
-#: engine -> client (output socket)
-OUTPUTS = "out"
-
-_EXT_TENSOR = 1
-_EXT_NDARRAY = 2
 
 #: Longest idle wait between parent checks and input polls (milliseconds).
 _IDLE_POLL_MS = 100
@@ -75,154 +74,6 @@ _TRANSFER_POLL_MS = 2
 WELCOME_TIMEOUT_S = 30.0
 #: Environment variable naming the module whose ``build_core(spec)`` builds the core.
 _STARTUP_EXIT = 2
-
-
-class StartupError(RuntimeError):
-    """The engine process could not start; the message is one line from the child."""
-
-
-# ---- frames -------------------------------------------------------------------
-
-
-class Codec:
-    """msgpack headers with tensors as extra frames. Not thread-safe: one per user."""
-
-    def __init__(self) -> None:
-        self._frames: list[Any] = []
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._inner = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
-        self._in_frames: list[Any] = []
-
-    def encode(self, message: Any) -> list[Any]:
-        """``[header, *tensor buffers]`` for ``zmq.Socket.send_multipart(copy=False)``."""
-        self._frames = []
-        try:
-            header = self._encoder.encode(message)
-            return [header, *self._frames]
-        finally:
-            self._frames = []
-
-    def decode(self, frames: list[Any]) -> Any:
-        """The message of ``[header, *tensor frames]`` (frames from ``copy=False``)."""
-        self._in_frames = frames
-        try:
-            return self._decoder.decode(_buffer(frames[0]))
-        finally:
-            self._in_frames = []
-
-    def _enc_hook(self, obj: Any) -> Any:
-        import numpy as np
-
-        if type(obj).__module__ == "torch" or _is_tensor(obj):
-            tensor = obj.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            tensor = tensor.contiguous()
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            shape = list(tensor.shape)
-            raw = tensor.reshape(-1).view(_torch().uint8).numpy() if tensor.numel() else b""
-            return self._ext(_EXT_TENSOR, dtype, shape, raw)
-        if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj)
-            return self._ext(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), arr.reshape(-1))
-        raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine")
-
-    def _ext(self, code: int, dtype: str, shape: list[int], raw: Any) -> msgspec.msgpack.Ext:
-        index = len(self._frames) + 1
-        self._frames.append(memoryview(raw).cast("B") if len(raw) else b"")
-        return msgspec.msgpack.Ext(code, self._inner.encode((index, dtype, shape)))
-
-    def _ext_hook(self, code: int, data: memoryview) -> Any:
-        index, dtype, shape = msgspec.msgpack.decode(data)
-        buf = _buffer(self._in_frames[index])
-        if code == _EXT_TENSOR:
-            torch = _torch()
-            torch_dtype = getattr(torch, dtype)
-            if not len(buf):
-                return torch.empty(shape, dtype=torch_dtype)
-            with warnings.catch_warnings():
-                # The frame is read-only to Python; the engine only reads its inputs.
-                warnings.simplefilter("ignore")
-                flat = torch.frombuffer(buf, dtype=torch.uint8)
-            return flat.view(torch_dtype).view(shape)
-        if code == _EXT_NDARRAY:
-            import numpy as np
-
-            return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
-        raise ValueError(f"unknown extension type {code}")
-
-
-def _buffer(frame: Any) -> Any:
-    return frame.buffer if isinstance(frame, zmq.Frame) else frame
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-# ---- dataclasses on the wire ---------------------------------------------------
-
-
-def pack_dataclass(obj: Any) -> dict[str, Any]:
-    """A dataclass as a map of its fields (nested dataclasses too); tuple fields are
-    named under ``__tuples__`` so that they come back as tuples."""
-    out: dict[str, Any] = {}
-    tuples: list[str] = []
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if is_dataclass(value) and not isinstance(value, type):
-            value = pack_dataclass(value)
-        elif isinstance(value, list) and value and is_dataclass(value[0]):
-            value = [pack_dataclass(v) for v in value]
-        elif isinstance(value, tuple):
-            tuples.append(f.name)
-        out[f.name] = value
-    if tuples:
-        out["__tuples__"] = tuples
-    return out
-
-
-def unpack_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a packed dataclass (tuples restored)."""
-    tuples = data.pop("__tuples__", ())
-    for name in tuples:
-        data[name] = tuple(data[name])
-    return data
-
-
-def pack_params(params: Any) -> dict[str, Any]:
-    """Sampling params for the wire; a compiled grammar travels as its kind and text."""
-    data = pack_dataclass(params)
-    grammar = getattr(params, "structured_outputs", None)
-    if grammar is not None:
-        data["structured_outputs"] = [grammar.kind, grammar.grammar]
-    return data
-
-
-def pack_output(out: RequestOutput) -> tuple[Any, ...]:
-    logprobs = None
-    if out.logprobs is not None:
-        logprobs = [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in out.logprobs]
-    return (
-        out.request_id,
-        out.token_ids,
-        out.finish_reason,
-        out.stop_reason,
-        logprobs,
-        out.num_cached_tokens,
-        out.kv_transfer_params,
-        out.ec_transfer_params,
-        out.error,
-    )
-
 
 # ---- the process handle --------------------------------------------------------
 
@@ -395,9 +246,9 @@ def _mappingproxy(d: dict[Any, Any]) -> types.MappingProxyType[Any, Any]:
 def _import_ahead(kind: str) -> None:
     """Import the modules that building a ``kind`` core needs, before its spec arrives.
     A failure here is left for the build to report with its own message."""
-    names = ["ec_frontend.entrypoints.mock_engine"]
+    names = ["ec_frontend.engine.mock"]
     if kind == "real":
-        names = ["ec_frontend.entrypoints.real_engine", "ec_frontend.model.loader"]
+        names = ["ec_frontend.engine.builder", "ec_frontend.model.loader"]
     for name in names:
         try:
             importlib.import_module(name)
@@ -470,10 +321,10 @@ class _Served:
     @classmethod
     def build(cls, spec: EngineSpec) -> _Served:
         if spec.kind == "mock":
-            from ec_frontend.entrypoints.mock_engine import build_mock_core
+            from ec_frontend.engine.mock import build_mock_core
 
             return cls(build_mock_core(spec.config), spec)
-        from ec_frontend.entrypoints.real_engine import build_core, load_plugins
+        from ec_frontend.engine.builder import build_core, load_plugins
 
         load_plugins()
         torch = _torch()
@@ -638,9 +489,8 @@ class EngineServer:
 
     def _fail(self, identity: bytes, request_id: str, error: str) -> None:
         """A request that never reached the core ends at once with ``error``."""
-        item = (request_id, [], "error", None, None, 0, None, None, error)
-        stats = _stats_values(self.core.stats())
-        message = (OUTPUTS, [item], stats, None, None)
+        item = EngineOutput(request_id, [], "error", error=error)
+        message = EngineOutputs([item], _stats_values(self.core.stats()))
         self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
 
     def _inputs(self, data: dict[str, Any]) -> Any:
@@ -673,7 +523,7 @@ class EngineServer:
         scheduled = core.last_num_scheduled
         if not outputs and scheduled == 0 and not self.held:
             return
-        per_client: dict[bytes, list[tuple[Any, ...]]] = {c: [] for c in self.clients}
+        per_client: dict[bytes, list[EngineOutput]] = {c: [] for c in self.clients}
         held_added: dict[bytes, list[str]] = {}
         held_released: dict[bytes, list[str]] = {}
         requests = core.scheduler.requests
@@ -689,8 +539,7 @@ class EngineServer:
                     self.held.add(out.request_id)
                     held_added.setdefault(identity, []).append(client_id)
                     self._held_owner[out.request_id] = owner
-            packed = pack_output(out)
-            per_client.setdefault(identity, []).append((client_id, *packed[1:]))
+            per_client.setdefault(identity, []).append(pack_output(out, client_id))
         if self.held:
             for engine_id in [r for r in self.held if r not in requests]:
                 self.held.discard(engine_id)
@@ -700,12 +549,8 @@ class EngineServer:
             return
         stats = _stats_values(core.stats())
         for identity, items in per_client.items():
-            message = (
-                OUTPUTS,
-                items,
-                stats,
-                held_added.get(identity),
-                held_released.get(identity),
+            message = EngineOutputs(
+                items, stats, held_added.get(identity), held_released.get(identity)
             )
             self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
 

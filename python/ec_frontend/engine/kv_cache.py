@@ -14,14 +14,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ec_frontend.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
 from ec_frontend.engine.block_hash import extend_block_hashes
-from ec_frontend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.config import EngineConfig
     from ec_frontend.engine.request import Request
     from ec_frontend.model.interface import VisionLanguageModel
 
@@ -131,7 +131,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 
 def plan_kv_cache(model: VisionLanguageModel, config: EngineConfig) -> KVCachePlan:
-    """Size the KV cache of a loaded model (see :class:`~ec_frontend.engine.config.CacheConfig`).
+    """Size the KV cache of a loaded model (see :class:`~ec_frontend.config.CacheConfig`).
 
     Raises :class:`ConfigError` naming the flag when it cannot hold one
     ``max_model_len`` sequence.

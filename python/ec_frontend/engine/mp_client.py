@@ -38,29 +38,29 @@ from ec_frontend.engine.async_engine import (
     _post,
     _Sink,
 )
-from ec_frontend.engine.core_proc import (
+from ec_frontend.engine.core_proc import WELCOME_TIMEOUT_S, EngineProcess, EngineSpec
+from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
+from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
+from ec_frontend.engine.stats import EngineStats
+from ec_frontend.engine.wire import (
     ABORT,
     ADD,
     HELLO,
     SHUTDOWN,
     STOP,
     WELCOME,
-    WELCOME_TIMEOUT_S,
     Codec,
-    EngineProcess,
-    EngineSpec,
-    StartupError,
+    EngineOutput,
+    outputs_decoder,
     pack_dataclass,
     pack_params,
 )
-from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
-from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
-from ec_frontend.engine.stats import EngineStats
+from ec_frontend.errors import StartupError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ec_frontend.engine.config import EngineConfig
+    from ec_frontend.config import EngineConfig
     from ec_frontend.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ class MPEngineClient:
         self._output = self._socket(identity, f"{address}/out")
         self._codec = Codec()
         self._out_codec = Codec()
+        self._out_decoder = outputs_decoder()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._requests: dict[str, _ClientRequest] = {}
@@ -357,21 +358,21 @@ class MPEngineClient:
                     logger.exception("engine death callback failed")
 
     def _drain(self) -> None:
-        decode = self._out_codec.decode
+        decode = self._out_decoder.decode
         while True:
             try:
                 frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            _, items, stats, held_added, held_released = decode(frames)
-            self._stats_values, self._stats = stats, None
-            if held_added:
-                self._held.update(held_added)
-            if held_released:
-                self._held.difference_update(held_released)
+            message = decode(frames[0].buffer)
+            self._stats_values, self._stats = message.stats, None
+            if message.held_added:
+                self._held.update(message.held_added)
+            if message.held_released:
+                self._held.difference_update(message.held_released)
             batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
-            for item in items:
-                state = self._requests.get(item[0])
+            for item in message.outputs:
+                state = self._requests.get(item.request_id)
                 if state is None:
                     continue
                 out = self._output_of(state, item)
@@ -384,9 +385,11 @@ class MPEngineClient:
             for loop, deliveries in batches.items():
                 _post(loop, deliveries)
 
-    def _output_of(self, state: _ClientRequest, item: list[Any]) -> RequestOutput | None:
+    def _output_of(self, state: _ClientRequest, item: EngineOutput) -> RequestOutput | None:
         """The delta of one engine output (``None``: nothing to deliver yet)."""
-        rid, token_ids, finish, stop_reason, lps, cached, kv, ec, error = item
+        rid, token_ids, finish = item.request_id, item.token_ids, item.finish_reason
+        stop_reason, lps, cached = item.stop_reason, item.logprobs, item.num_cached_tokens
+        kv, ec, error = item.kv_transfer_params, item.ec_transfer_params, item.error
         finished = finish is not None
         held = state.stopped
         if held is not None:
@@ -422,7 +425,7 @@ class MPEngineClient:
 
 def _load_processor(config: Any, kind: str) -> Any:
     if kind == "mock":
-        from ec_frontend.entrypoints.mock_engine import MockProcessor
+        from ec_frontend.engine.mock import MockProcessor
 
         return MockProcessor()
     from ec_frontend.engine.core import EngineCore

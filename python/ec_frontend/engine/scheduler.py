@@ -25,9 +25,9 @@ from ec_frontend.engine.request import Request, RequestStatus
 from ec_frontend.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from ec_frontend.config import SchedulerConfig
     from ec_frontend.connectors.base import ECConnectorBase
     from ec_frontend.connectors.kv_base import KVConnectorBase, KVLoadResult
-    from ec_frontend.engine.config import SchedulerConfig
     from ec_frontend.engine.encoder_cache import EncoderCacheManager
     from ec_frontend.engine.kv_cache import KVCacheManager
 

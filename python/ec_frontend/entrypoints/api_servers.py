@@ -152,7 +152,7 @@ def start_engine(opts: ServeOptions, clients: int) -> tuple[Any, SharedEngine]:
         spec = EngineSpec(config, kind="mock", log_level=level)
         facts = ("mock", config.model, config.max_model_len)
     else:
-        from ec_frontend.entrypoints.real_engine import (
+        from ec_frontend.engine.builder import (
             _builtin_id,
             cpu_threads,
             engine_config,

@@ -13,11 +13,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from ec_frontend.entrypoints.http_protocol import add_http_args, http_limits, limits_group
+from ec_frontend.entrypoints.http.protocol import add_http_args, http_limits, limits_group
 from ec_frontend.entrypoints.launcher import ServeOptions, serve
-from ec_frontend.entrypoints.limits import ResourceLimits
-from ec_frontend.entrypoints.proxy_cli import add_proxy_args, add_transfer_trust_args, run_proxy
-from ec_frontend.entrypoints.tool_parsers import TOOL_PARSERS
+from ec_frontend.entrypoints.openai.limits import ResourceLimits
+from ec_frontend.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from ec_frontend.entrypoints.proxy.cli import add_proxy_args, add_transfer_trust_args, run_proxy
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
@@ -329,6 +329,10 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         api_server_count=args.api_server_count,
     )
+    if options.api_server_count > 1:
+        from ec_frontend.entrypoints.api_servers import serve_group
+
+        serve_group(options)
     return serve(options)
 
 

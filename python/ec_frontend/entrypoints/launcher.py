@@ -25,9 +25,10 @@ from typing import Any
 import uvicorn
 
 from ec_frontend.engine.core_proc import EngineProcess
-from ec_frontend.entrypoints.http_protocol import HttpLimits, connection_cap, uvicorn_http_settings
-from ec_frontend.entrypoints.limits import ResourceLimits
-from ec_frontend.entrypoints.server import App, ServerConfig, build_app
+from ec_frontend.entrypoints.http.protocol import HttpLimits, connection_cap, uvicorn_http_settings
+from ec_frontend.entrypoints.openai.limits import ResourceLimits
+from ec_frontend.entrypoints.openai.server import App, ServerConfig, build_app
+from ec_frontend.errors import StartupError
 
 log = logging.getLogger("ec_frontend.server")
 
@@ -85,13 +86,9 @@ class ServeOptions:
     api_server_count: int = 1
 
 
-class StartupError(Exception):
-    """The server cannot start as configured (bad flag values, unloadable model)."""
-
-
 def mock_config(opts: ServeOptions) -> Any:
     """The ``MockEngineConfig`` of ``--mock-engine`` with these options."""
-    from ec_frontend.entrypoints.mock_engine import MockEngineConfig
+    from ec_frontend.engine.mock import MockEngineConfig
 
     return MockEngineConfig(
         model=opts.model or "mock",
@@ -105,7 +102,7 @@ def build_engine(opts: ServeOptions, spawned: Any = None) -> tuple[Any, str, int
     """``(engine, model_id, max_model_len)`` for the options; ``spawned``: the engine
     interpreter :func:`serve` started ahead for the multiprocess engine."""
     if opts.mock_engine:
-        from ec_frontend.entrypoints.mock_engine import MockEngine
+        from ec_frontend.engine.mock import MockEngine
 
         cfg = mock_config(opts)
         max_len = cfg.max_model_len
@@ -115,7 +112,7 @@ def build_engine(opts: ServeOptions, spawned: Any = None) -> tuple[Any, str, int
             engine = MPEngineClient.start(cfg, kind="mock", spawned=spawned)
             return engine, cfg.model, max_len
         return MockEngine(cfg), cfg.model, max_len
-    from ec_frontend.entrypoints.real_engine import create_engine
+    from ec_frontend.engine.builder import create_engine
 
     return create_engine(opts, spawned)
 
@@ -185,17 +182,13 @@ def serve(
     sockets: list[socket.socket] | None = None,
     wrap_app: Callable[[Any], Any] | None = None,
 ) -> int:
-    """Run the server until drained; the process exit code.
+    """Run one API server until drained; the process exit code.
 
-    With ``api_server_count`` > 1 this process supervises a group of API server
+    With ``api_server_count`` > 1 the command line runs a group of API server
     processes instead (``entrypoints/api_servers.py``); each of them calls this
     with its engine factory, the listening socket it inherited and a wrapper
     around the app.
     """
-    if opts.api_server_count > 1 and sockets is None:
-        from ec_frontend.entrypoints.api_servers import serve_group
-
-        return serve_group(opts)
     spawned = None
     if engine_factory is None and opts.engine_mode == "multiprocess":
         # The engine's interpreter imports torch and the model code while this one

@@ -197,7 +197,7 @@ def load_model(
     random weights for the config (for benchmarks of large shapes).
     ``attention_backend`` is resolved by
     :func:`~ec_frontend.model.paged_attention.resolve_backend` (a bad one raises
-    its :class:`~ec_frontend.engine.config.ConfigError`).
+    its :class:`~ec_frontend.config.ConfigError`).
     Raises :class:`ModelLoadError`.
     """
     if load_format not in LOAD_FORMATS:

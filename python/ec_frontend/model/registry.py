@@ -2,7 +2,9 @@
 
 A family is one module under :mod:`ec_frontend.model` exporting ``FAMILY``, a
 :class:`ModelFamily`, and one line in :data:`FAMILIES` naming that module. The
-entry is imported only when a checkpoint of the family is loaded. The engine
+entry is imported only when a checkpoint of the family is loaded. A family kept
+outside this package registers with :func:`register_family` from a plugin module
+(``EC_FRONTEND_PLUGINS``, imported by the server and the engine process alike). The engine
 never branches on a family name: it asks the family (or the loaded model) for
 capabilities instead:
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from ec_frontend.model.errors import ModelLoadError
@@ -36,11 +39,12 @@ __all__ = [
     "PositionSpec",
     "UnsupportedModelError",
     "family_for",
+    "register_family",
     "supported_model_types",
 ]
 
 #: model_type -> module holding its ``FAMILY``. One line per family.
-FAMILIES: Mapping[str, str] = {
+_FAMILIES: dict[str, str] = {
     "qwen2_vl": "ec_frontend.model.qwen2_vl",
     "qwen2_5_vl": "ec_frontend.model.qwen2_5_vl",
     "llava": "ec_frontend.model.llava",
@@ -48,6 +52,22 @@ FAMILIES: Mapping[str, str] = {
     "llava_next": "ec_frontend.model.llava_next",
     "llava_onevision": "ec_frontend.model.llava_onevision",
 }
+#: Read-only view of the registered families (:func:`register_family` adds to it).
+FAMILIES: Mapping[str, str] = MappingProxyType(_FAMILIES)
+
+
+def register_family(model_type: str, module: str) -> None:
+    """Serve checkpoints of ``model_type`` with the ``FAMILY`` of ``module`` (imported
+    when such a checkpoint loads). A ``model_type`` already registered is a
+    ``ValueError``, as vLLM refuses to re-register a connector name: a plugin cannot
+    silently replace a family."""
+    if not model_type or not module:
+        raise ValueError("register_family needs a model_type and a module name")
+    if model_type in _FAMILIES:
+        raise ValueError(
+            f"model_type {model_type!r} is already registered (by {_FAMILIES[model_type]})"
+        )
+    _FAMILIES[model_type] = module
 
 
 class UnsupportedModelError(ModelLoadError):

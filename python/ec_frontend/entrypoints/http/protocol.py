@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ec_frontend.entrypoints.errors import error_body
+from ec_frontend.entrypoints.http.errors import error_body
 from ec_frontend.metrics import Counter
 
 

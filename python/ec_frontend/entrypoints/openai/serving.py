@@ -10,8 +10,8 @@ format. Invariants:
 * engine request ids are unique among the requests in flight, whatever the
   client sent as ``X-Request-Id``;
 * problems caused by the request (too long a prompt, an undecodable image)
-  raise :class:`~ec_frontend.entrypoints.errors.APIError` 400 before the
-  engine sees anything; the resource bounds of :mod:`~ec_frontend.entrypoints.limits`
+  raise :class:`~ec_frontend.entrypoints.http.errors.APIError` 400 before the
+  engine sees anything; the resource bounds of :mod:`~ec_frontend.entrypoints.openai.limits`
   are checked before any input is decoded or tokenized;
 * input processing runs in a bounded pool (429 with ``Retry-After`` when full),
   and the engine requests in flight are bounded (429).
@@ -27,9 +27,9 @@ from typing import Any
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.connectors.ec_item_params import ec_items_problem
-from ec_frontend.entrypoints.errors import APIError
-from ec_frontend.entrypoints.jobs import Choice, Job, Timing, new_id
-from ec_frontend.entrypoints.limits import (
+from ec_frontend.entrypoints.http.errors import APIError
+from ec_frontend.entrypoints.openai.jobs import Choice, Job, Timing, new_id
+from ec_frontend.entrypoints.openai.limits import (
     ProcessingPool,
     ResourceLimits,
     check_fanout,
@@ -38,8 +38,8 @@ from ec_frontend.entrypoints.limits import (
     text_too_long,
     too_busy,
 )
-from ec_frontend.entrypoints.sampling import bad_words_token_ids, build_sampling_params
-from ec_frontend.entrypoints.structured import StructuredCompiler
+from ec_frontend.entrypoints.openai.sampling import bad_words_token_ids, build_sampling_params
+from ec_frontend.entrypoints.openai.structured import StructuredCompiler
 from ec_frontend.metrics import ServerMetrics
 
 #: Seconds an aborted engine request id stays reserved.
@@ -213,7 +213,7 @@ class Serving:
         """A chat or responses request's model inputs, on the bounded processing pool.
 
         The caller has checked the request's limits (:meth:`check_limits`).
-        ``tools`` (a :class:`~ec_frontend.entrypoints.tool_parsers.ToolPlan`) are
+        ``tools`` (a :class:`~ec_frontend.entrypoints.openai.tool_parsers.ToolPlan`) are
         rendered by the chat template.
         """
         extra = {"tools": tools.template_tools()} if tools is not None else {}

@@ -14,11 +14,11 @@ from typing import Any
 import orjson
 
 from ec_frontend._core import ParsedRequest
-from ec_frontend.entrypoints.context import DONE, RequestContext, sse, token_text
-from ec_frontend.entrypoints.errors import engine_failure, error_body
-from ec_frontend.entrypoints.jobs import Choice, Job, first_param, usage
-from ec_frontend.entrypoints.serving import Serving
-from ec_frontend.entrypoints.tool_parsers import ChatToolStream, chat_message
+from ec_frontend.entrypoints.http.errors import engine_failure, error_body
+from ec_frontend.entrypoints.openai.context import DONE, RequestContext, sse, token_text
+from ec_frontend.entrypoints.openai.jobs import Choice, Job, first_param, usage
+from ec_frontend.entrypoints.openai.serving import Serving
+from ec_frontend.entrypoints.openai.tool_parsers import ChatToolStream, chat_message
 
 
 def _chat_logprob_entry(tokenizer: Any, lp: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from ec_frontend.engine.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
-from ec_frontend.entrypoints.errors import APIError
+from ec_frontend.entrypoints.http.errors import APIError
 
 _FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _NULLABLE = NULLABLE | {"extra_args"}

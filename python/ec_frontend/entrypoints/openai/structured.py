@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ec_frontend.entrypoints.errors import APIError
-from ec_frontend.entrypoints.tool_parsers import ToolPlan, plan_from, tool_call_grammar
+from ec_frontend.entrypoints.http.errors import APIError
+from ec_frontend.entrypoints.openai.tool_parsers import ToolPlan, plan_from, tool_call_grammar
 
 if TYPE_CHECKING:
     from ec_frontend.engine.structured_output import CompiledGrammar, GrammarCompiler

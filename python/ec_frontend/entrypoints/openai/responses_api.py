@@ -22,12 +22,12 @@ from typing import Any
 import orjson
 
 from ec_frontend._core import ParsedRequest
-from ec_frontend.entrypoints.context import DONE, RequestContext, sse_event
-from ec_frontend.entrypoints.errors import engine_failure, error_body
-from ec_frontend.entrypoints.jobs import Choice, Job, usage
-from ec_frontend.entrypoints.openai_format import chat_logprobs
-from ec_frontend.entrypoints.serving import Serving
-from ec_frontend.entrypoints.tool_parsers import ResponseToolItems, output_text_part
+from ec_frontend.entrypoints.http.errors import engine_failure, error_body
+from ec_frontend.entrypoints.openai.chat_format import chat_logprobs
+from ec_frontend.entrypoints.openai.context import DONE, RequestContext, sse_event
+from ec_frontend.entrypoints.openai.jobs import Choice, Job, usage
+from ec_frontend.entrypoints.openai.serving import Serving
+from ec_frontend.entrypoints.openai.tool_parsers import ResponseToolItems, output_text_part
 
 
 def _usage(choice: Choice) -> dict[str, Any]:

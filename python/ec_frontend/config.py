@@ -1,4 +1,7 @@
-"""Engine configuration: frozen dataclasses, validated on construction.
+"""Settings every layer shares: frozen dataclasses, validated on construction.
+
+The lowest floor of the package with :mod:`ec_frontend.errors`: the engine, the
+connectors and the model read their settings here and import nothing above.
 
 Transfer configs accept vLLM's JSON shapes (``--ec-transfer-config`` and
 ``--kv-transfer-config``), so a deployment script written for vLLM carries over.
@@ -14,20 +17,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from ec_frontend.errors import ConfigError
+
 ECRole = Literal["ec_producer", "ec_consumer", "ec_both"]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 _EC_ROLES: tuple[str, ...] = ("ec_producer", "ec_consumer", "ec_both")
 _KV_ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
-
-
-class ConfigError(ValueError):
-    """An engine configuration that cannot work; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 def _frozen_mapping(value: Mapping[str, Any] | None, param: str) -> Mapping[str, Any]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
+from ec_frontend.engine.stats import EngineStats
 
 #: Prompt characters that stand for one image in a mock chat prompt.
 IMAGE_PLACEHOLDER = "\ufffc"
@@ -161,24 +162,14 @@ class MockEngineConfig:
     token_latency_s: float = 0.0
 
 
-@dataclass
-class MockStats:
-    """Named as the engine's ``EngineStats``: counters end in ``_total``, the rest are gauges."""
+@dataclass(slots=True)
+class _MockCounters:
+    """The engine counters the mock moves (named as :class:`EngineStats`' fields)."""
 
     encoder_items_computed_total: int = 0
     encoder_cache_hits_total: int = 0
-    ec_items_loaded_total: int = 0
-    ec_items_saved_total: int = 0
-    ec_load_fallbacks_total: int = 0
     prompt_tokens_computed_total: int = 0
-    kv_tokens_received_total: int = 0
     generation_tokens_total: int = 0
-    num_requests_running: int = 0
-    num_requests_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    encoder_cache_usage: float = 0.0
-    kv_blocks_used: int = 0
-    encoder_cache_refs: int = 0
 
 
 def _get(params: Any, name: str, default: Any = None) -> Any:
@@ -197,16 +188,22 @@ class MockEngine:
         self._running: dict[str, int] = {}
         self._aborted: set[str] = set()
         self._refs: dict[str, int] = {}
-        self._stats = MockStats()
+        self._stats = _MockCounters()
 
-    def stats(self) -> MockStats:
-        s = self._stats
-        s.num_requests_running = len(self._running)
-        s.kv_blocks_used = sum(self._running.values())
-        s.kv_cache_usage = s.kv_blocks_used / self.KV_BLOCKS
-        s.encoder_cache_refs = sum(self._refs.values())
-        s.encoder_cache_usage = len(self._refs) / 1024
-        return s
+    def stats(self) -> EngineStats:
+        blocks = sum(self._running.values())
+        c = self._stats
+        return EngineStats(
+            encoder_items_computed_total=c.encoder_items_computed_total,
+            encoder_cache_hits_total=c.encoder_cache_hits_total,
+            prompt_tokens_computed_total=c.prompt_tokens_computed_total,
+            generation_tokens_total=c.generation_tokens_total,
+            num_requests_running=len(self._running),
+            kv_blocks_used=blocks,
+            kv_cache_usage=blocks / self.KV_BLOCKS,
+            encoder_cache_refs=sum(self._refs.values()),
+            encoder_cache_usage=len(self._refs) / 1024,
+        )
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:
@@ -507,7 +504,7 @@ def _mock_core_class() -> type:
 def build_mock_core(config: MockEngineConfig) -> Any:
     """In the engine process: the engine core around the mock model (``--mock-engine``
     with the multiprocess engine)."""
-    from ec_frontend.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
 
     max_len = config.max_model_len
     engine_config = EngineConfig(

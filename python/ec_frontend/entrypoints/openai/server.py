@@ -4,10 +4,10 @@ Bodies are read raw (bounded by ``max_body_bytes``, checked on
 ``Content-Length`` and again while streaming in, and by ``body_timeout_s``; a
 refused body is not read further: the connection closes) and parsed by
 ``ec_frontend._core.parse_request``; the request's resource limits
-(:mod:`~ec_frontend.entrypoints.limits`) are checked before its inputs are
+(:mod:`~ec_frontend.entrypoints.openai.limits`) are checked before its inputs are
 processed. A client gone mid-upload is a 499. Pydantic models exist only to
 describe the API on ``/docs``. Responses are serialized with orjson. Every error, whatever
-raised it, is rendered by :func:`~ec_frontend.entrypoints.errors.error_response`.
+raised it, is rendered by :func:`~ec_frontend.entrypoints.http.errors.error_response`.
 """
 
 from __future__ import annotations
@@ -28,27 +28,27 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
-from ec_frontend.entrypoints import openapi_docs, vllm_routes
-from ec_frontend.entrypoints.context import DONE, RequestContext
-from ec_frontend.entrypoints.errors import (
+from ec_frontend.entrypoints.http.errors import (
     APIError,
     engine_failure,
     error_body,
     error_response,
     to_api_error,
 )
-from ec_frontend.entrypoints.generate_api import generate_body, generate_stream
-from ec_frontend.entrypoints.http_middleware import FrontMiddleware, FrontState
-from ec_frontend.entrypoints.jobs import Choice, Job, usage
-from ec_frontend.entrypoints.limits import ResourceLimits
-from ec_frontend.entrypoints.openai_format import (
+from ec_frontend.entrypoints.http.middleware import FrontMiddleware, FrontState
+from ec_frontend.entrypoints.openai import openapi_docs, vllm_routes
+from ec_frontend.entrypoints.openai.chat_format import (
     chat_body,
     chat_stream,
     completion_body,
     completion_stream,
 )
-from ec_frontend.entrypoints.responses_api import response_body, response_stream
-from ec_frontend.entrypoints.serving import Serving, ServingConfig
+from ec_frontend.entrypoints.openai.context import DONE, RequestContext
+from ec_frontend.entrypoints.openai.generate_api import generate_body, generate_stream
+from ec_frontend.entrypoints.openai.jobs import Choice, Job, usage
+from ec_frontend.entrypoints.openai.limits import ResourceLimits
+from ec_frontend.entrypoints.openai.responses_api import response_body, response_stream
+from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
 from ec_frontend.metrics import ServerMetrics, render
 
 T = TypeVar("T")

@@ -29,13 +29,13 @@ from starlette.responses import Response
 
 from ec_frontend import __version__
 from ec_frontend._core import parse_request
-from ec_frontend.entrypoints.errors import APIError
-from ec_frontend.entrypoints.sampling import encode_text
-from ec_frontend.entrypoints.serving import continuation
-from ec_frontend.entrypoints.tool_parsers import plan_from
+from ec_frontend.entrypoints.http.errors import APIError
+from ec_frontend.entrypoints.openai.sampling import encode_text
+from ec_frontend.entrypoints.openai.serving import continuation
+from ec_frontend.entrypoints.openai.tool_parsers import plan_from
 
 if TYPE_CHECKING:
-    from ec_frontend.entrypoints.server import App
+    from ec_frontend.entrypoints.openai.server import App
 
 #: vLLM's bound on a token id in ``/detokenize`` (an int64).
 _MAX_TOKEN_ID = 2**63 - 1
@@ -112,7 +112,7 @@ def _json(obj: Any) -> Response:
 
 
 class VLLMRoutes:
-    """The handlers, bound to the server's :class:`~ec_frontend.entrypoints.server.App`."""
+    """The handlers, bound to the server's :class:`~ec_frontend.entrypoints.openai.server.App`."""
 
     def __init__(self, app: App) -> None:
         self.app = app

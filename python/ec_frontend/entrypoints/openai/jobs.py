@@ -18,7 +18,7 @@ class Job:
     params: Any
     prompt_text: str | None = None
     started: bool = False
-    #: The request's :class:`~ec_frontend.entrypoints.tool_parsers.ToolPlan`, if any.
+    #: The request's :class:`~ec_frontend.entrypoints.openai.tool_parsers.ToolPlan`, if any.
     tools: Any = None
 
 
@@ -40,7 +40,7 @@ class Choice:
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     error: str | None = None
-    #: The request's :class:`~ec_frontend.entrypoints.tool_parsers.ToolPlan`, if any.
+    #: The request's :class:`~ec_frontend.entrypoints.openai.tool_parsers.ToolPlan`, if any.
     tools: Any = None
 
     def add(self, out: Any) -> None:

@@ -1,7 +1,7 @@
 """Request-level resource bounds of the server, checked before work is spent.
 
 :class:`ResourceLimits` holds the bounds (each a ``serve`` flag); the checks
-here raise :class:`~ec_frontend.entrypoints.errors.APIError` with a status and
+here raise :class:`~ec_frontend.entrypoints.http.errors.APIError` with a status and
 a ``code`` that names the limit:
 
 * media: items per request, pixels per image and per request, read from each
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
-from ec_frontend.entrypoints.errors import APIError
+from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, probe_image
 
 T = TypeVar("T")

@@ -26,7 +26,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ec_frontend.entrypoints.errors import APIError
+from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.metrics import ServerMetrics
 
 Scope = MutableMapping[str, Any]

@@ -26,10 +26,10 @@ from typing import Any
 import orjson
 
 from ec_frontend._core import ParsedRequest
-from ec_frontend.entrypoints.context import DONE, RequestContext, sse
-from ec_frontend.entrypoints.jobs import Choice, Job
-from ec_frontend.entrypoints.openai_format import chat_logprobs, stream_error
-from ec_frontend.entrypoints.serving import Serving
+from ec_frontend.entrypoints.openai.chat_format import chat_logprobs, stream_error
+from ec_frontend.entrypoints.openai.context import DONE, RequestContext, sse
+from ec_frontend.entrypoints.openai.jobs import Choice, Job
+from ec_frontend.entrypoints.openai.serving import Serving
 
 #: Choice fields vLLM reports that this server never fills.
 _UNREPORTED = {"routed_experts": None, "sampling_mask": None, "weight_versions": None}

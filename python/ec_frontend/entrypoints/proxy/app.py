@@ -63,7 +63,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature
-from ec_frontend.entrypoints.proxy_metrics import ProxyMetrics
+from ec_frontend.entrypoints.http.errors import error_body
+from ec_frontend.entrypoints.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("ec_frontend.proxy")
 
@@ -74,7 +75,7 @@ ROUTES: dict[str, str] = {
 }
 FALLBACK_HEADER = "x-ec-fallback"
 #: The error code of an instance that could not load an item the request only
-#: references (``entrypoints/errors.py``): the proxy then sends the image itself.
+#: references (``entrypoints/http/errors.py``): the proxy then sends the image itself.
 REFERENCE_FAILED = "ec_item_unavailable"
 #: How much of a stream the proxy reads ahead for that error before its first token.
 PEEK_LIMIT = 64 * 1024
@@ -113,11 +114,6 @@ class UpstreamError(Exception):
         super().__init__(status)
         self.status = status
         self.body = body
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
-    kind = "invalid_request_error" if status < 500 else "upstream_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def check_body(endpoint: str, body: dict[str, Any], disaggregated: bool) -> tuple[str, str] | None:
@@ -170,7 +166,7 @@ class ClientError(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.body = error_body(status, message, code, param)
+        self.body = error_body(status, message, param, code)
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -203,7 +199,7 @@ def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
         # A failure of the exchange that httpx did not map to its own errors (a socket
         # torn down under it, say): the upstream is as unusable, and the trace is kept.
         log.warning("request to %s failed outside httpx's errors", url, exc_info=exc)
-    return UpstreamError(502, error_body(502, f"{url}: {exc!r}", code))
+    return UpstreamError(502, error_body(502, f"{url}: {exc!r}", None, code))
 
 
 def _request_id(value: str | None) -> str:
@@ -327,7 +323,9 @@ class Proxy:
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
-            raise UpstreamError(502, error_body(502, f"{url}: not a JSON object", "bad_upstream"))
+            raise UpstreamError(
+                502, error_body(502, f"{url}: not a JSON object", None, "bad_upstream")
+            )
         return data
 
     async def _encode_one(
@@ -457,13 +455,13 @@ class Proxy:
             problem = "the body must be a JSON object"
         if not isinstance(body, dict):
             self.metrics.requests.inc((endpoint, "400"))
-            content = error_body(400, problem, "invalid_json")
+            content = error_body(400, problem, None, "invalid_json")
             return Response(content, 400, out_headers, "application/json")
         problem_param = check_body(endpoint, body, bool(self.config.prefill_urls))
         if problem_param is not None:
             self.metrics.requests.inc((endpoint, "400"))
             message, param = problem_param
-            content = error_body(400, message, "invalid_value", param)
+            content = error_body(400, message, param, "invalid_value")
             return Response(content, 400, out_headers, "application/json")
         items = count_media_parts(body)
         if items > self.config.max_media_items:
@@ -524,7 +522,8 @@ class Proxy:
             kv = data.get("kv_transfer_params")
             if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
                 raise UpstreamError(
-                    502, error_body(502, f"{url} returned no usable kv_transfer_params", "no_kv")
+                    502,
+                    error_body(502, f"{url} returned no usable kv_transfer_params", None, "no_kv"),
                 )
             secret = self.config.transfer_secret
             rid = kv.get("remote_request_id")
@@ -534,7 +533,7 @@ class Proxy:
                 reason = check_signature(secret, "kv", key, kv, consume=False)
             if reason is not None:
                 message = f"{url} returned kv_transfer_params that fail verification: {reason}"
-                raise UpstreamError(502, error_body(502, message, "untrusted_kv"))
+                raise UpstreamError(502, error_body(502, message, None, "untrusted_kv"))
             self.metrics.prefills.inc()
             decode_body["kv_transfer_params"] = kv
             decode_body.pop("ec_transfer_params", None)
@@ -604,7 +603,7 @@ class Proxy:
                 if not isinstance(exc, httpx.HTTPError):
                     log.warning("decode stream from %s failed", url, exc_info=exc)
                 message = f"decode stream broke: {exc!r}"
-                yield b"data: " + error_body(502, message, "upstream_broken") + b"\n\n"
+                yield b"data: " + error_body(502, message, None, "upstream_broken") + b"\n\n"
             finally:
                 await resp.aclose()
 
@@ -615,7 +614,7 @@ class Proxy:
         try:
             resp = await self.client.get(url, timeout=self.config.connect_timeout_s * 2)
         except httpx.HTTPError as exc:
-            return Response(error_body(502, f"{url}: {exc!r}", "upstream_unreachable"), 502)
+            return Response(error_body(502, f"{url}: {exc!r}", None, "upstream_unreachable"), 502)
         return Response(resp.content, resp.status_code, media_type="application/json")
 
 
@@ -673,7 +672,7 @@ async def _read_opening(chunks: AsyncIterator[bytes]) -> tuple[bytes, Any]:
 async def _proxy_error(request: Request, exc: Exception) -> Response:
     """A failure of the proxy's own: an OpenAI-style 500, logged with its trace."""
     log.error("proxy error on %s", request.url.path, exc_info=exc)
-    return Response(error_body(500, f"proxy error: {exc!r}", "proxy_error"), 500,
+    return Response(error_body(500, f"proxy error: {exc!r}", None, "proxy_error"), 500,
                     media_type="application/json")  # fmt: skip
 
 

@@ -6,9 +6,9 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ec_frontend.engine.config import (
+from ec_frontend.config import (
     BLOCK_SIZES,
     CacheConfig,
     ConfigError,
@@ -19,8 +19,54 @@ from ec_frontend.engine.config import (
     TransferTrust,
 )
 
-if TYPE_CHECKING:
-    from ec_frontend.entrypoints.launcher import ServeOptions
+
+class EngineArgs(Protocol):
+    """The flags the engine is built from (``ec-frontend serve``'s ``ServeOptions``
+    has them all); a protocol, so that the engine layer does not import the launcher."""
+
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def max_model_len(self) -> int | None: ...
+    @property
+    def max_num_seqs(self) -> int | None: ...
+    @property
+    def max_num_batched_tokens(self) -> int | None: ...
+    @property
+    def gpu_memory_utilization(self) -> float: ...
+    @property
+    def kv_cache_memory(self) -> int | None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def encoder_cache_size(self) -> int | None: ...
+    @property
+    def enforce_eager(self) -> bool: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def device(self) -> str | None: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def load_format(self) -> str: ...
+    @property
+    def attention_backend(self) -> str: ...
+    @property
+    def cpu_threads(self) -> int | None: ...
+    @property
+    def ec_transfer_config(self) -> str | None: ...
+    @property
+    def kv_transfer_config(self) -> str | None: ...
+    @property
+    def transfer_secret(self) -> str | None: ...
+    @property
+    def transfer_secret_file(self) -> str | None: ...
+    @property
+    def transfer_peers(self) -> str | None: ...
+    @property
+    def engine_mode(self) -> str: ...
+
 
 log = logging.getLogger("ec_frontend.server")
 
@@ -39,7 +85,7 @@ def load_plugins() -> list[str]:
     return names
 
 
-def _dtype(opts: ServeOptions) -> str:
+def _dtype(opts: EngineArgs) -> str:
     if opts.dtype != "auto":
         return opts.dtype
     device = opts.device
@@ -50,7 +96,7 @@ def _dtype(opts: ServeOptions) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def cpu_threads(opts: ServeOptions, builtin: bool) -> int | None:
+def cpu_threads(opts: EngineArgs, builtin: bool) -> int | None:
     """Torch threads for a CPU engine: the flag, else the environment, else 1 for the
     built-in model (its matrices are so small that a second thread only adds
     synchronisation, which on a loaded host costs more than the work), else ``None``
@@ -90,7 +136,7 @@ def _flag_error(flag: str, problem: str, value: object) -> ConfigError:
     return ConfigError(f"--{flag} {problem}, got {value}", flag.replace("-", "_"))
 
 
-def cache_config(opts: ServeOptions, encoder_rows: int) -> CacheConfig:
+def cache_config(opts: EngineArgs, encoder_rows: int) -> CacheConfig:
     """The KV and encoder cache settings of ``opts``; ``ConfigError`` naming the flag.
     Without ``--encoder-cache-size`` the encoder cache holds at least ``encoder_rows``
     (one step's encoder budget)."""
@@ -117,7 +163,7 @@ def cache_config(opts: ServeOptions, encoder_rows: int) -> CacheConfig:
     )
 
 
-def _scheduler_args(opts: ServeOptions, max_len: int) -> dict[str, Any]:
+def _scheduler_args(opts: EngineArgs, max_len: int) -> dict[str, Any]:
     sched: dict[str, Any] = {"max_model_len": max_len}
     if opts.max_num_seqs is not None:
         sched["max_num_seqs"] = opts.max_num_seqs
@@ -128,7 +174,7 @@ def _scheduler_args(opts: ServeOptions, max_len: int) -> dict[str, Any]:
     return sched
 
 
-def engine_config(opts: ServeOptions) -> tuple[EngineConfig, str]:
+def engine_config(opts: EngineArgs) -> tuple[EngineConfig, str]:
     """The engine config and the checkpoint directory for ``opts``."""
     trust = TransferTrust.from_options(
         opts.transfer_secret, opts.transfer_secret_file, opts.transfer_peers
@@ -200,7 +246,7 @@ def build_core(config: EngineConfig) -> tuple[Any, Any]:
     return EngineCore(config, model, eos_token_id=eos), processor
 
 
-def create_engine(opts: ServeOptions, spawned: Any = None) -> tuple[Any, str, int]:
+def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]:
     """``(engine, model_id, max_model_len)``; raises ``ValueError`` on bad options and
     :class:`~ec_frontend.engine.core_proc.StartupError` when the engine cannot load.
     ``opts.engine_mode`` picks the engine process (``multiprocess``; ``spawned``: an

@@ -7,15 +7,15 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from ec_frontend.engine.config import TRANSFER_SECRET_ENV, TransferTrust
-from ec_frontend.entrypoints.http_protocol import (
+from ec_frontend.config import TRANSFER_SECRET_ENV, TransferTrust
+from ec_frontend.entrypoints.http.protocol import (
     add_http_args,
     connection_cap,
     http_limits,
     limits_group,
     uvicorn_http_settings,
 )
-from ec_frontend.entrypoints.proxy import ProxyConfig, build_proxy_app
+from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
 log = logging.getLogger("ec_frontend.proxy")
 

@@ -1,0 +1,225 @@
+"""The engine process's wire format: the message schema both sides import.
+
+Two ZMQ ROUTER sockets connect the engine process (``engine/core_proc.py``) and
+its clients (``engine/mp_client.py``, one per API server):
+
+* **input**: ``[ADD, request_id, inputs, params]``, ``[ABORT, [ids]]``,
+  ``[STOP, id, reason]``, ``[SHUTDOWN]``;
+* **output**: ``hello`` once from each client, answered ``[WELCOME, info]``; then
+  one :class:`EngineOutputs` per client after every step that computed anything.
+
+Messages are msgpack (msgspec) headers, version :data:`PROTOCOL_VERSION`; outputs
+are :class:`msgspec.Struct` s encoded as arrays (``array_like``): fields by name in
+the code, positions only on the wire. Tensors (pixel values, M-RoPE positions,
+image embeddings) travel as extra frames after the header, sent without copying
+and received as views of the frame; the header holds their dtype and shape.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.outputs import RequestOutput
+
+PROTOCOL_VERSION = 1
+
+# ---- message kinds (the first element of every header) -----------------------
+#: client -> engine (input socket)
+ADD, ABORT, STOP, SHUTDOWN = "add", "abort", "stop", "shutdown"
+#: client -> engine (output socket), and the engine's answer
+HELLO, WELCOME = b"hello", "welcome"
+#: engine -> client (output socket)
+OUTPUTS = "out"
+
+_EXT_TENSOR = 1
+_EXT_NDARRAY = 2
+
+
+# ---- frames -------------------------------------------------------------------
+
+
+class Codec:
+    """msgpack headers with tensors as extra frames. Not thread-safe: one per user."""
+
+    def __init__(self) -> None:
+        self._frames: list[Any] = []
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._inner = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        self._in_frames: list[Any] = []
+
+    def encode(self, message: Any) -> list[Any]:
+        """``[header, *tensor buffers]`` for ``zmq.Socket.send_multipart(copy=False)``."""
+        self._frames = []
+        try:
+            header = self._encoder.encode(message)
+            return [header, *self._frames]
+        finally:
+            self._frames = []
+
+    def decode(self, frames: list[Any]) -> Any:
+        """The message of ``[header, *tensor frames]`` (frames from ``copy=False``)."""
+        self._in_frames = frames
+        try:
+            return self._decoder.decode(_buffer(frames[0]))
+        finally:
+            self._in_frames = []
+
+    def _enc_hook(self, obj: Any) -> Any:
+        import numpy as np
+
+        if type(obj).__module__ == "torch" or _is_tensor(obj):
+            tensor = obj.detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            tensor = tensor.contiguous()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            shape = list(tensor.shape)
+            raw = tensor.reshape(-1).view(_torch().uint8).numpy() if tensor.numel() else b""
+            return self._ext(_EXT_TENSOR, dtype, shape, raw)
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            return self._ext(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), arr.reshape(-1))
+        raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine")
+
+    def _ext(self, code: int, dtype: str, shape: list[int], raw: Any) -> msgspec.msgpack.Ext:
+        index = len(self._frames) + 1
+        self._frames.append(memoryview(raw).cast("B") if len(raw) else b"")
+        return msgspec.msgpack.Ext(code, self._inner.encode((index, dtype, shape)))
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        index, dtype, shape = msgspec.msgpack.decode(data)
+        buf = _buffer(self._in_frames[index])
+        if code == _EXT_TENSOR:
+            torch = _torch()
+            torch_dtype = getattr(torch, dtype)
+            if not len(buf):
+                return torch.empty(shape, dtype=torch_dtype)
+            with warnings.catch_warnings():
+                # The frame is read-only to Python; the engine only reads its inputs.
+                warnings.simplefilter("ignore")
+                flat = torch.frombuffer(buf, dtype=torch.uint8)
+            return flat.view(torch_dtype).view(shape)
+        if code == _EXT_NDARRAY:
+            import numpy as np
+
+            return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+        raise ValueError(f"unknown extension type {code}")
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+# ---- dataclasses on the wire ---------------------------------------------------
+
+
+def pack_dataclass(obj: Any) -> dict[str, Any]:
+    """A dataclass as a map of its fields (nested dataclasses too); tuple fields are
+    named under ``__tuples__`` so that they come back as tuples."""
+    out: dict[str, Any] = {}
+    tuples: list[str] = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            value = pack_dataclass(value)
+        elif isinstance(value, list) and value and is_dataclass(value[0]):
+            value = [pack_dataclass(v) for v in value]
+        elif isinstance(value, tuple):
+            tuples.append(f.name)
+        out[f.name] = value
+    if tuples:
+        out["__tuples__"] = tuples
+    return out
+
+
+def unpack_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a packed dataclass (tuples restored)."""
+    tuples = data.pop("__tuples__", ())
+    for name in tuples:
+        data[name] = tuple(data[name])
+    return data
+
+
+def pack_params(params: Any) -> dict[str, Any]:
+    """Sampling params for the wire; a compiled grammar travels as its kind and text."""
+    data = pack_dataclass(params)
+    grammar = getattr(params, "structured_outputs", None)
+    if grammar is not None:
+        data["structured_outputs"] = [grammar.kind, grammar.grammar]
+    return data
+
+
+# ---- outputs ------------------------------------------------------------------
+
+#: One sampled token's logprob on the wire: ``(token_id, logprob, rank, top)``, with
+#: ``top`` the ``(token_id, logprob)`` pairs of the most likely tokens.
+WireLogprob = tuple[int, float, int, list[tuple[int, float]]]
+
+
+class EngineOutput(msgspec.Struct, array_like=True, gc=False):
+    """One request's delta of one step, as its client sees it (``request_id`` is
+    the client's own id). ``finish_reason`` set: the request ended."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[WireLogprob] | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag=OUTPUTS):
+    """Everything one client gets after a step: its outputs (possibly none), the
+    engine's stats snapshot (:class:`~ec_frontend.engine.stats.EngineStats`' field
+    values in field order) and the client's request ids that connectors started or
+    stopped holding after they finished."""
+
+    outputs: list[EngineOutput]
+    stats: list[Any]
+    held_added: list[str] | None = None
+    held_released: list[str] | None = None
+
+
+def pack_output(out: RequestOutput, request_id: str) -> EngineOutput:
+    """``out`` for the wire, under the client's ``request_id``."""
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in out.logprobs]
+    return EngineOutput(
+        request_id,
+        out.token_ids,
+        out.finish_reason,
+        out.stop_reason,
+        logprobs,
+        out.num_cached_tokens,
+        out.kv_transfer_params,
+        out.ec_transfer_params,
+        out.error,
+    )
+
+
+def outputs_decoder() -> msgspec.msgpack.Decoder[EngineOutputs]:
+    """A decoder of the engine's step messages (no tensors travel in them)."""
+    return msgspec.msgpack.Decoder(EngineOutputs)
