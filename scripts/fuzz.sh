@@ -40,7 +40,7 @@ fi
 
 echo "== fuzz: build (toolchain $toolchain, target $host)"
 # An explicit --target keeps the flags off build scripts and proc macros.
-RUSTFLAGS="${flags[*]}" cargo +"$toolchain" build --quiet --release \
+RUSTFLAGS="${flags[*]}" cargo +"$toolchain" build --quiet --release --locked \
     --manifest-path fuzz/Cargo.toml --target "$host" --bins
 
 python3 fuzz/seeds.py fuzz/corpus

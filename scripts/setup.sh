@@ -30,7 +30,7 @@ fi
 
 export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" PYO3_PYTHON="$PWD/.venv/bin/python"
 log=$(mktemp)
-if ! maturin develop --release -q >"$log" 2>&1; then
+if ! maturin develop --release --locked -q >"$log" 2>&1; then
     cat "$log" >&2
     rm -f "$log"
     echo "setup: maturin develop failed" >&2

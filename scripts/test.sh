@@ -7,12 +7,14 @@ export PATH="$PWD/.venv/bin:$PATH" PYO3_PYTHON="$PWD/.venv/bin/python"
 
 echo "== lint"
 cargo fmt --all --check
-cargo clippy --workspace --all-targets --quiet -- -D warnings
+cargo clippy --workspace --all-targets --locked --quiet -- -D warnings
 ruff check .
 ruff format --check .
+# The package's floors import only downward (contract: [tool.importlinter] in pyproject.toml).
+PYTHONPATH=python lint-imports --no-cache
 
 echo "== cargo test"
-cargo test --workspace --quiet
+cargo test --workspace --locked --quiet
 bash scripts/fuzz.sh 20
 
 echo "== pytest"
