@@ -39,7 +39,8 @@ def error_param(r: httpx.Response, status: int = 400) -> str | None:
 
 
 def test_version(mock_server: ServerProcess) -> None:
-    r = httpx.get(mock_server.url + "/version")
+    assert httpx.get(mock_server.url + "/version").status_code == 401  # behind the key
+    r = httpx.get(mock_server.url + "/version", headers=AUTH)
     assert r.status_code == 200
     assert r.json() == {"version": ec_frontend.__version__}
 
@@ -124,7 +125,9 @@ def test_tokenize_bad_input(
 def test_tokenize_invalid_json(mock_server: ServerProcess) -> None:
     for raw in (b"{", b"[1, 2]"):
         r = httpx.post(
-            mock_server.url + "/tokenize", content=raw, headers={"content-type": "application/json"}
+            mock_server.url + "/tokenize",
+            content=raw,
+            headers={**AUTH, "content-type": "application/json"},
         )
         assert r.status_code == 400 and r.json()["error"]["code"] in (
             "invalid_json",

@@ -5,9 +5,11 @@ For each HTTP request it
 * takes ``X-Request-Id`` from the client (or makes one), stores it in
   ``scope["ec_request_id"]`` and echoes it on the response;
 * refuses new work with 503 while the server drains (``/metrics`` stays up);
-* checks ``Authorization: Bearer <key>`` on ``/v1/*`` and ``/inference/*`` when
-  an API key is configured (401 otherwise), and on ``/metrics`` and the API
-  docs (``/docs``, ``/redoc``, ``/openapi.json``) unless they are made public;
+* checks ``Authorization: Bearer <key>`` on every route when an API key is
+  configured (401 otherwise), except the liveness probes (``/health``,
+  ``/ping``) and, when made public, ``/metrics`` and the API docs (``/docs``,
+  ``/redoc``, ``/openapi.json``); an unknown path needs the key too, so that the
+  routes a server has cannot be listed without it;
 * counts ``ec_frontend_requests_total{endpoint,status}`` and the generation
   requests in flight, which the drain waits on.
 
@@ -53,12 +55,23 @@ KNOWN_ENDPOINTS: frozenset[str] = frozenset(
 GENERATION_ENDPOINTS: frozenset[str] = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate"}
 )
-_PROTECTED_PREFIXES: tuple[str, ...] = ("/v1/", "/inference/")
+#: Routes that answer without the API key: liveness probes, which a load balancer or
+#: an orchestrator calls without credentials and which reveal nothing but "up".
+ALWAYS_PUBLIC: frozenset[str] = frozenset({"/health", "/ping"})
 DOCS_PATHS: frozenset[str] = frozenset(
     {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 )
 #: A client's X-Request-Id is used when it is 1 to 256 visible ASCII characters.
 _VALID_ID = re.compile(rb"[\x21-\x7e]{1,256}")
+_VALID_ID_STR = re.compile(r"[\x21-\x7e]{1,256}")
+#: The longest request id a client may choose (``X-Request-Id``, a generate ``request_id``).
+MAX_REQUEST_ID_CHARS = 256
+
+
+def valid_request_id(value: str) -> bool:
+    """Whether ``value`` may name a request: 1 to 256 visible ASCII characters (no
+    space, no control or non-ASCII character), the ``X-Request-Id`` rule."""
+    return _VALID_ID_STR.fullmatch(value) is not None
 
 
 class FrontState:
@@ -77,17 +90,17 @@ class FrontState:
         self.api_key = api_key.encode() if api_key else None
         self.max_in_flight = max_in_flight
         self.draining = False
-        public: set[str] = set()
+        public: set[str] = set(ALWAYS_PUBLIC)
         if public_metrics:
             public.add("/metrics")
         if public_docs:
             public |= DOCS_PATHS
-        #: Paths outside the API prefixes that need the key too.
-        self.protected_paths = ({"/metrics"} | DOCS_PATHS) - public
+        #: Paths that answer without the API key; every other path needs it.
+        self.public_paths: frozenset[str] = frozenset(public)
 
     def needs_key(self, path: str) -> bool:
         """Whether ``path`` is behind the API key (when one is configured)."""
-        return path.startswith(_PROTECTED_PREFIXES) or path in self.protected_paths
+        return path not in self.public_paths
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -35,7 +35,11 @@ from ec_frontend.entrypoints.http.errors import (
     error_response,
     to_api_error,
 )
-from ec_frontend.entrypoints.http.middleware import FrontMiddleware, FrontState
+from ec_frontend.entrypoints.http.middleware import (
+    FrontMiddleware,
+    FrontState,
+    valid_request_id,
+)
 from ec_frontend.entrypoints.openai import openapi_docs, vllm_routes
 from ec_frontend.entrypoints.openai.chat_format import (
     chat_body,
@@ -319,6 +323,15 @@ class App:
                 400,
                 "output_mode='text' requires sampling_params.detokenize to be true",
                 param="output_mode",
+                code="invalid_value",
+            )
+        if parsed.request_id is not None and not valid_request_id(parsed.request_id):
+            # Never echoed: it would reach logs and response bodies as sent.
+            raise APIError(
+                400,
+                "request_id must be 1 to 256 visible ASCII characters (no spaces or "
+                "control characters), as X-Request-Id",
+                param="request_id",
                 code="invalid_value",
             )
         rid = parsed.request_id or ctx.request_id

@@ -1,0 +1,117 @@
+"""Issue 28: no request stalls the others, every route but the probes needs the key,
+admission counts the fan-out, aborts are exact and reach the whole group, and a
+generate ``request_id`` follows the ``X-Request-Id`` rules.
+
+Real server processes on loopback (``--mock-engine``); one server is shared by the
+tests of this module that only read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from ..helpers.processes import Proc
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "guard-key"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+MODEL = "mock-model"
+#: The mock server's ``--max-model-len``; ``/detokenize`` takes at most 16x as many ids.
+MAX_MODEL_LEN = 4096
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Proc]:
+    """A mock server with an API key, 20 ms per engine step and an engine-request
+    limit of 512."""
+    proc = Proc(
+        "serve",
+        ["--mock-engine", "--api-key", API_KEY, "--served-model-name", MODEL,
+         "--max-model-len", str(MAX_MODEL_LEN), "--mock-token-latency-ms", "20",
+         "--max-engine-requests", "512"],
+        "server",
+    ).wait_ready()  # fmt: skip
+    yield proc
+    assert proc.stop() == 0
+
+
+def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+# ---- auth: every route but /health and /ping ---------------------------------------------
+
+GEN = {"max_tokens": 1}
+#: ``(method, path, body)`` of every route the server has, with a body that succeeds.
+PROTECTED: list[tuple[str, str, Any]] = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/chat/completions", chat(max_tokens=1)),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+    ("POST", "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 1}),
+    ("POST", "/inference/v1/generate", {"token_ids": [104, 105], "sampling_params": GEN}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [104, 105]}),
+    ("GET", "/version", None),
+    ("POST", "/inference/v1/abort_requests", {"request_ids": ["nobody"]}),
+    ("GET", "/metrics", None),  # no --public-metrics
+    ("GET", "/docs", None),  # no --public-docs
+    ("GET", "/redoc", None),
+    ("GET", "/openapi.json", None),
+]
+PUBLIC: list[tuple[str, str]] = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), PROTECTED, ids=[p for _, p, _ in PROTECTED])
+def test_route_needs_the_key(server: Proc, method: str, path: str, body: Any) -> None:
+    url = server.url + path
+    r = httpx.request(method, url, json=body, timeout=30)
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    wrong = {"authorization": "Bearer not-the-key"}
+    assert httpx.request(method, url, json=body, headers=wrong, timeout=30).status_code == 401
+    r = httpx.request(method, url, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("method", "path"), PUBLIC, ids=[f"{m} {p}" for m, p in PUBLIC])
+def test_probe_is_public(server: Proc, method: str, path: str) -> None:
+    assert httpx.request(method, server.url + path, timeout=30).status_code == 200
+
+
+def test_unknown_route_needs_the_key(server: Proc) -> None:
+    """Without the key nobody learns which routes exist."""
+    assert httpx.get(server.url + "/no-such-route", timeout=30).status_code == 401
+    r = httpx.get(server.url + "/no-such-route", headers=AUTH, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "route_not_found"
+
+
+# ---- generate request_id: the X-Request-Id rules ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["x" * 257, "x" * 1_000_000, "a\nb", "a b", "evil\u202eid", "é", "", "tab\tid"],
+    ids=["257-chars", "1MB", "newline", "space", "rtl-override", "non-ascii", "empty", "tab"],
+)
+def test_generate_request_id_is_checked(server: Proc, request_id: str) -> None:
+    body = {"token_ids": [104, 105], "sampling_params": {"max_tokens": 1},
+            "request_id": request_id}  # fmt: skip
+    r = httpx.post(server.url + "/inference/v1/generate", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "request_id" and error["code"] == "invalid_value"
+    assert request_id not in r.text or request_id == ""  # never echoed
+    assert len(r.content) < 1000
+
+
+def test_generate_request_id_within_the_rules_is_echoed(server: Proc) -> None:
+    rid = "gen-" + "~" * 252
+    body = {"token_ids": [104, 105], "sampling_params": {"max_tokens": 1}, "request_id": rid}
+    r = httpx.post(server.url + "/inference/v1/generate", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["request_id"] == rid
