@@ -8,10 +8,13 @@ tests of this module that only read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from ..helpers.processes import Proc
@@ -115,3 +118,70 @@ def test_generate_request_id_within_the_rules_is_echoed(server: Proc) -> None:
     r = httpx.post(server.url + "/inference/v1/generate", json=body, headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["request_id"] == rid
+
+
+# ---- the event loop: client-sized work never blocks /health -------------------------------
+
+
+def worst_health_latency_while(work: Callable[[], Any], server: Proc) -> tuple[float, int, Any]:
+    """Run ``work`` in a thread and poll ``/health`` (one kept-alive connection) until it
+    ends: ``(the slowest answer in seconds, how many answers, what work returned)``."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(work()))
+    worst, polls = 0.0, 0
+    with httpx.Client(timeout=10) as client:
+        assert client.get(server.url + "/health").status_code == 200  # connected
+        thread.start()
+        while thread.is_alive():
+            started = time.perf_counter()
+            assert client.get(server.url + "/health").status_code == 200
+            worst = max(worst, time.perf_counter() - started)
+            polls += 1
+            time.sleep(0.005)
+    thread.join()
+    return worst, polls, result[0]
+
+
+def detokenize_raw(server: Proc, body: bytes) -> httpx.Response:
+    headers = {**AUTH, "content-type": "application/json"}
+    return httpx.post(server.url + "/detokenize", content=body, headers=headers, timeout=120)
+
+
+def test_detokenize_of_10m_ids_leaves_health_responsive(server: Proc) -> None:
+    """10M ids (20 MB): refused by the documented cap without being parsed, while
+    ``/health`` keeps answering within 0.2 s."""
+    body = b'{"tokens": [' + b"7," * (10_000_000 - 1) + b"7]}"
+    worst, polls, r = worst_health_latency_while(lambda: detokenize_raw(server, body), server)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_many_tokens" and error["param"] == "tokens"
+    assert str(16 * MAX_MODEL_LEN) in error["message"] and "--max-prompt-chars" in error["message"]
+    assert polls >= 3, polls
+    assert worst < 0.2, worst
+
+
+def test_detokenize_at_the_cap_runs_off_the_loop(server: Proc) -> None:
+    """Eight requests of the most ids allowed (65,536 each) are decoded on the
+    processing pool while ``/health`` keeps answering within 0.2 s."""
+    cap = 16 * MAX_MODEL_LEN
+    ids = [0x4E00 + i % 20000 for i in range(cap)]
+    body = orjson.dumps({"tokens": ids})
+    over = orjson.dumps({"tokens": [*ids, 65]})
+
+    def burst() -> list[httpx.Response]:
+        responses: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: responses.append(detokenize_raw(server, body)))
+                   for _ in range(8)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return responses
+
+    worst, polls, responses = worst_health_latency_while(burst, server)
+    assert [r.status_code for r in responses] == [200] * 8
+    assert responses[0].json()["prompt"] == "".join(chr(i) for i in ids)
+    assert polls >= 1 and worst < 0.2, (polls, worst)
+    r = detokenize_raw(server, over)  # one id over the cap, parsed: the count is named
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens"
+    assert f"{cap + 1} token ids" in r.json()["error"]["message"]

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -318,7 +318,7 @@ class App:
                 param="sampling_params.n",
                 code="invalid_value",
             )
-        if parsed.output_mode == "text" and _detokenize_off(parsed, body):
+        if parsed.output_mode == "text" and await _offloop_if_large(_detokenize_off, parsed, body):
             raise APIError(
                 400,
                 "output_mode='text' requires sampling_params.detokenize to be true",
@@ -378,6 +378,15 @@ async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         err = to_api_error(_status_of(exc))
         yield b"data: " + error_body(err.status, err.message, err.param, err.code) + b"\n\n"
         yield DONE
+
+
+async def _offloop_if_large(fn: Callable[[ParsedRequest, bytes], T], parsed: ParsedRequest,
+                            body: bytes) -> T:  # fmt: skip
+    """``fn(parsed, body)``, in a worker thread when ``body`` is large (its JSON is
+    parsed there, which holds the thread for as long as the body takes)."""
+    if len(body) > _THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(fn, parsed, body)
+    return fn(parsed, body)
 
 
 def _detokenize_off(parsed: ParsedRequest, body: bytes) -> bool:

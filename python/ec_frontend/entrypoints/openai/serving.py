@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.connectors.ec_item_params import ec_items_problem
@@ -41,6 +41,8 @@ from ec_frontend.entrypoints.openai.limits import (
 from ec_frontend.entrypoints.openai.sampling import bad_words_token_ids, build_sampling_params
 from ec_frontend.entrypoints.openai.structured import StructuredCompiler
 from ec_frontend.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 #: Seconds an aborted engine request id stays reserved.
 _ABORTED_ID_HOLD_S = 5.0
@@ -77,11 +79,11 @@ class Serving:
         self._background: set[asyncio.Task[None]] = set()
         self.structured = StructuredCompiler(engine, config.vocab_size)
         limits = config.limits
-        self.pool = (
-            ProcessingPool(limits.processing_workers, limits.max_processing_queue)
-            if config.offload_processing
-            else None
-        )
+        #: The bounded pool for client-sized work: input processing (unless
+        #: ``offload_processing`` is off, the mock engine's cheap inputs) and the utility
+        #: routes' tokenizer work, which always leaves the event loop (:meth:`offload`).
+        #: Its threads start on first use.
+        self.pool = ProcessingPool(limits.processing_workers, limits.max_processing_queue)
 
     # ---------------------------------------------------------------- checks
 
@@ -183,10 +185,18 @@ class Serving:
                 )
 
     async def run_processing(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on the bounded processing pool (inline without one)."""
-        if self.pool is not None:
+        """``fn(*args, **kwargs)`` on the bounded processing pool (inline when
+        ``offload_processing`` is off)."""
+        if self.config.offload_processing:
             return await self.pool.run(fn, *args, **kwargs)
         return fn(*args, **kwargs)
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the bounded processing pool, whatever
+        ``offload_processing`` says: for work whose cost the client chooses (a
+        tokenizer over a client's list), which must never run on the event loop.
+        429 when the pool is full."""
+        return await self.pool.run(fn, *args, **kwargs)
 
     async def _process(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -332,8 +342,7 @@ class Serving:
 
     def shutdown(self) -> None:
         """Stop the input-processing threads."""
-        if self.pool is not None:
-            self.pool.shutdown()
+        self.pool.shutdown()
 
     def active_ids(self) -> list[str]:
         """Engine request ids in flight (the drain aborts these on timeout)."""

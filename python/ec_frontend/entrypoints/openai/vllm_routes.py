@@ -5,7 +5,15 @@
   rendered exactly as ``/v1/chat/completions`` renders it (template, image
   placeholders, ``tools`` as vLLM renders them), so ``count`` is what the model
   would see.
-* ``POST /detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``.
+* ``POST /detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``; at most
+  ``--max-prompt-chars`` ids (as many as ``/tokenize`` can give), else 400
+  ``too_many_tokens`` (a body too large to hold that many is refused unparsed).
+
+The tokenizer work of ``/tokenize`` and ``/detokenize`` (and the parsing of
+their larger bodies) runs on the server's bounded processing pool
+(:meth:`~ec_frontend.entrypoints.openai.serving.Serving.offload`; 429 when it is
+full), never on the event loop, so ``/health`` and the streams of other clients
+keep answering while it runs.
 * ``GET /version``: ``{"version": str}`` (ec-frontend's own version).
 * ``GET|POST /ping``: 200 with an empty body while the engine runs (as ``/health``).
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": str | [str]}`` -> 200
@@ -37,6 +45,12 @@ from ec_frontend.entrypoints.openai.tool_parsers import plan_from
 if TYPE_CHECKING:
     from ec_frontend.entrypoints.openai.server import App
 
+#: Bodies above this size are parsed on the processing pool, off the event loop.
+_INLINE_JSON_BYTES = 64 * 1024
+#: Bytes one id may take in a ``/detokenize`` body (digits, a comma, a space) ...
+_DETOKENIZE_BYTES_PER_ID = 16
+#: ... and what the rest of the body may take.
+_DETOKENIZE_SLACK_BYTES = 64 * 1024
 #: vLLM's bound on a token id in ``/detokenize`` (an int64).
 _MAX_TOKEN_ID = 2**63 - 1
 #: What follows a request id in the ids of its engine requests: the choice index
@@ -107,8 +121,18 @@ def _requested(engine_id: str, wanted: set[str]) -> bool:
     )
 
 
-def _json(obj: Any) -> Response:
-    return Response(orjson.dumps(obj), media_type="application/json")
+def _json_bytes(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def _too_many_ids(limit: int, count: int | None) -> APIError:
+    what = f"{count} token ids" if count is not None else "a body too large for"
+    return _bad(
+        f"/detokenize takes at most {limit} token ids (--max-prompt-chars); the request "
+        f"has {what}" + ("" if count is not None else f" {limit} ids"),
+        "tokens",
+        "too_many_tokens",
+    )
 
 
 class VLLMRoutes:
@@ -134,7 +158,14 @@ class VLLMRoutes:
             raise APIError(501, "this server has no tokenizer", code="not_implemented")
         return tokenizer
 
-    async def _chat_ids(self, data: dict[str, Any]) -> list[int]:
+    async def _load(self, body: bytes) -> dict[str, Any]:
+        """The body's JSON object; a large body is parsed off the event loop."""
+        if len(body) > _INLINE_JSON_BYTES:
+            return await self.app.serving.offload(_json_object, body)
+        return _json_object(body)
+
+    def _parse_chat(self, data: dict[str, Any]) -> Any:
+        """The chat part of a ``/tokenize`` body, parsed and checked (a worker thread)."""
         if _flag(data, "add_special_tokens", False):
             raise _bad(
                 "add_special_tokens is not supported for chat messages: the chat "
@@ -158,12 +189,17 @@ class VLLMRoutes:
                     "unsupported_media_url",
                 )
         app.serving.check_input_limits(parsed)
-        processor = app.engine.processor
+        return parsed
+
+    async def _chat_ids(self, data: dict[str, Any]) -> list[int]:
+        serving = self.app.serving
+        parsed = await serving.offload(self._parse_chat, data)
+        processor = self.app.engine.processor
         # Tools are rendered by the chat template as a chat request renders them.
         plan = plan_from(parsed.structured)
         tools = {"tools": plan.template_tools()} if plan is not None else {}
         try:
-            inputs = await app.serving.run_processing(
+            inputs = await serving.offload(
                 processor.process_chat,
                 parsed.messages,
                 parsed.media,
@@ -183,6 +219,7 @@ class VLLMRoutes:
         return list(inputs.prompt_token_ids)
 
     def _prompt_ids(self, data: dict[str, Any]) -> list[int]:
+        """A worker thread: the tokenizer runs over up to ``--max-prompt-chars``."""
         prompt = data.get("prompt")
         if not isinstance(prompt, str):
             raise _bad("prompt must be a string", "prompt", "invalid_type")
@@ -191,38 +228,63 @@ class VLLMRoutes:
         add_special = _flag(data, "add_special_tokens", True)
         return encode_text(self._tokenizer(), prompt, add_special)
 
-    async def tokenize(self, request: Request) -> Response:
-        data = _json_object(await self.app.read_body(request))
-        return_strs = _flag(data, "return_token_strs", False)
-        if "messages" in data:
-            ids = await self._chat_ids(data)
-        elif "prompt" in data:
-            ids = self._prompt_ids(data)
-        else:
-            raise _bad("either prompt or messages is required", "prompt", "missing_field")
-        return _json(
+    def _tokenize_body(self, ids: list[int], return_strs: bool) -> bytes:
+        """The response (a worker thread: its size is the client's choice)."""
+        strs = _token_strs(self._tokenizer(), ids) if return_strs else None
+        return orjson.dumps(
             {
                 "count": len(ids),
                 "max_model_len": self.app.config.max_model_len,
                 "tokens": ids,
-                "token_strs": _token_strs(self._tokenizer(), ids) if return_strs else None,
+                "token_strs": strs,
             }
         )
 
-    async def detokenize(self, request: Request) -> Response:
-        data = _json_object(await self.app.read_body(request))
+    async def tokenize(self, request: Request) -> Response:
+        data = await self._load(await self.app.read_body(request))
+        return_strs = _flag(data, "return_token_strs", False)
+        serving = self.app.serving
+        if "messages" in data:
+            ids = await self._chat_ids(data)
+        elif "prompt" in data:
+            ids = await serving.offload(self._prompt_ids, data)
+        else:
+            raise _bad("either prompt or messages is required", "prompt", "missing_field")
+        return _json_bytes(await serving.offload(self._tokenize_body, ids, return_strs))
+
+    def max_detokenize_ids(self) -> int:
+        """The most ids one ``/detokenize`` takes: as many as ``/tokenize`` can give,
+        ``--max-prompt-chars`` (16 x ``--max-model-len`` by default)."""
+        app = self.app
+        return app.serving.config.limits.prompt_chars(app.config.max_model_len)
+
+    def _detokenize(self, body: bytes, limit: int) -> bytes:
+        """Parse, check and decode (a worker thread); the response body."""
+        data = _json_object(body)
         self._check_model(data.get("model"))
         if "tokens" not in data:
             raise _bad("tokens is required", "tokens", "missing_field")
-        ids = _token_ids(data["tokens"], "tokens", self.app.config.vocab_size)
+        tokens = data["tokens"]
+        if isinstance(tokens, list) and len(tokens) > limit:
+            raise _too_many_ids(limit, len(tokens))
+        ids = _token_ids(tokens, "tokens", self.app.config.vocab_size)
         try:
             text = self._tokenizer().decode(ids, skip_special_tokens=False)
         except (ValueError, OverflowError, TypeError) as exc:
             raise _bad(f"cannot decode these tokens: {exc}", "tokens") from exc
-        return _json({"prompt": text})
+        return orjson.dumps({"prompt": text})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.app.read_body(request)
+        limit = self.max_detokenize_ids()
+        # A body that cannot hold at most ``limit`` ids is refused unparsed: parsing a
+        # JSON list of millions of numbers holds the interpreter for seconds.
+        if len(body) > _DETOKENIZE_BYTES_PER_ID * limit + _DETOKENIZE_SLACK_BYTES:
+            raise _too_many_ids(limit, None)
+        return _json_bytes(await self.app.serving.offload(self._detokenize, body, limit))
 
     async def version(self, request: Request) -> Response:
-        return _json({"version": __version__})
+        return _json_bytes(orjson.dumps({"version": __version__}))
 
     async def ping(self, request: Request) -> Response:
         await self.app.health(request)
