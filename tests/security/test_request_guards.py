@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from ec_frontend.metrics import parse_text
 
 from ..helpers.processes import Proc
 
@@ -41,6 +42,21 @@ def server() -> Iterator[Proc]:
     ).wait_ready()  # fmt: skip
     yield proc
     assert proc.stop() == 0
+
+
+def metrics(server: Proc) -> dict[str, float]:
+    """``/metrics`` of ``server`` (behind the key here)."""
+    return parse_text(httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text)
+
+
+def settled(server: Proc, name: str, expected: float, timeout_s: float = 10.0) -> float:
+    """``ec_frontend_<name>`` once it equals ``expected`` or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    value = metrics(server).get("ec_frontend_" + name, 0.0)
+    while value != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = metrics(server).get("ec_frontend_" + name, 0.0)
+    return value
 
 
 def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
@@ -185,3 +201,57 @@ def test_detokenize_at_the_cap_runs_off_the_loop(server: Proc) -> None:
     r = detokenize_raw(server, over)  # one id over the cap, parsed: the count is named
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens"
     assert f"{cap + 1} token ids" in r.json()["error"]["message"]
+
+
+# ---- admission: the fan-out is counted on arrival ------------------------------------------
+
+
+def test_four_simultaneous_256_way_requests_against_512(server: Proc) -> None:
+    """Four 256-way requests at once (two prompts, n=128: the parser's largest n)
+    against ``--max-engine-requests 512``: two are served, two get 429, and the engine
+    (its own counters) sees 512 requests, never more."""
+    body = {"model": MODEL, "prompt": ["abc", "abd"], "n": 128, "max_tokens": 10}
+    prompt = len("abc")
+    computed = "prompt_tokens_computed_total"
+    before = metrics(server).get("ec_frontend_" + computed, 0.0)
+    barrier = threading.Barrier(4)
+    results: list[httpx.Response] = []
+
+    def post() -> None:
+        with httpx.Client(timeout=120) as client:
+            barrier.wait()
+            url = server.url + "/v1/completions"
+            results.append(client.post(url, json=body, headers=AUTH))
+
+    def four() -> None:
+        threads = [threading.Thread(target=post) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    thread = threading.Thread(target=four)
+    thread.start()
+    peak = 0.0
+    while thread.is_alive():
+        m = metrics(server)
+        engine = m.get("ec_frontend_num_requests_running", 0.0)
+        engine += m.get("ec_frontend_num_requests_waiting", 0.0)
+        peak = max(peak, engine)
+        time.sleep(0.02)
+    thread.join()
+    statuses = sorted(r.status_code for r in results)
+    assert statuses == [200, 200, 429, 429], [r.text[:200] for r in results]
+    for r in results:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "too_many_engine_requests"
+            assert r.headers["retry-after"] == "1"
+        else:
+            assert len(r.json()["choices"]) == 256
+    assert peak <= 512, peak
+    entered = (settled(server, computed, before + 512 * prompt) - before) / prompt
+    assert entered == 512, entered
+    # Everything was given back: a full 512 fits again.
+    r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 1},
+                   headers=AUTH, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text

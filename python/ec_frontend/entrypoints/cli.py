@@ -226,7 +226,9 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         ("--max-fanout", int, d.max_fanout,
          "engine requests per HTTP request, prompts x n (default %(default)s)"),
         ("--max-engine-requests", int, None,
-         "engine requests in flight; over it, 429 (default: 16 x max-num-seqs, at least 256)"),
+         "engine requests in flight, a request's whole fan-out counted on arrival; over "
+         "it, 429 (default: 16 x the engine's max-num-seqs, at least 256: 1024 for the "
+         "default 64; shared among --api-server-count servers)"),
         ("--processing-workers", int, 0,
          "threads decoding images and tokenizing (default: one per CPU, at most 4)"),
         ("--max-processing-queue", int, d.max_processing_queue,

@@ -75,7 +75,7 @@ class ServeOptions:
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     #: ``max_connections`` 0: derived from the open-file limit (:func:`connection_cap`).
     http: HttpLimits = field(default_factory=lambda: HttpLimits(max_connections=0))
-    #: ``None``: derived from ``max_num_seqs`` (16 per sequence slot, at least 256).
+    #: ``None``: derived from the engine's ``max_num_seqs`` (:func:`engine_request_limit`).
     max_engine_requests: int | None = None
     public_metrics: bool = False
     public_docs: bool = False
@@ -207,8 +207,8 @@ def serve(
             spawned.kill()
     names = opts.served_model_names or ((opts.model or model_id),)
     processor = getattr(engine, "processor", None)
-    seqs = opts.max_num_seqs or 256
-    engine_requests = opts.max_engine_requests or max(256, 16 * seqs)
+    seqs = engine_max_num_seqs(engine, opts)
+    engine_requests = engine_request_limit(opts, seqs)
     limits = replace(opts.limits, max_engine_requests=engine_requests)
     http = replace(opts.http, max_connections=connection_cap(opts.http.max_connections))
     config = ServerConfig(
@@ -256,6 +256,43 @@ def serve(
     if not server.started or died:
         return 1
     return 0
+
+
+#: Engine requests admitted per sequence slot of the engine by default: the running
+#: batch and fifteen more waiting. Past that a client waits more than fifteen batches
+#: for its first token, and a 429 it can retry elsewhere serves it better.
+ENGINE_REQUESTS_PER_SEQ = 16
+#: The smallest default ``--max-engine-requests`` (one full ``--max-fanout`` request).
+MIN_ENGINE_REQUESTS = 256
+
+
+def engine_max_num_seqs(engine: Any, opts: ServeOptions) -> int:
+    """The engine's batch size: ``--max-num-seqs``, else what the engine was built with
+    (the real engine's ``SchedulerConfig`` default of 64, the mock's 256)."""
+    if opts.max_num_seqs:
+        return opts.max_num_seqs
+    config = getattr(engine, "config", None)
+    for holder in (getattr(config, "scheduler", None), config):
+        value = getattr(holder, "max_num_seqs", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    from ec_frontend.config import SchedulerConfig
+
+    return SchedulerConfig.max_num_seqs
+
+
+def engine_request_limit(opts: ServeOptions, max_num_seqs: int) -> int:
+    """This API server's ``--max-engine-requests``.
+
+    The flag, else ``ENGINE_REQUESTS_PER_SEQ`` x the engine's ``max_num_seqs`` (at least
+    ``MIN_ENGINE_REQUESTS``): 1,024 for the real engine's default of 64 sequences. The
+    limit is the engine's: with ``--api-server-count N`` each server admits its share
+    (the limit // N, at least 1), so the group never sends the engine more.
+    """
+    total = opts.max_engine_requests or max(
+        MIN_ENGINE_REQUESTS, ENGINE_REQUESTS_PER_SEQ * max_num_seqs
+    )
+    return max(1, total // max(1, opts.api_server_count))
 
 
 #: After the engine died: time for the failed streams to send their error events.

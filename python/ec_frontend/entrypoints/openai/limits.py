@@ -55,7 +55,8 @@ class ResourceLimits:
     max_processor_pixels: int | None = None
     max_prompt_chars: int | None = None
     max_fanout: int = 256
-    max_engine_requests: int = 4096
+    #: ``serve`` derives the default from the engine (``launcher.engine_request_limit``).
+    max_engine_requests: int = 1024
     processing_workers: int = 0
     max_processing_queue: int = 64
 

@@ -14,7 +14,8 @@ format. Invariants:
   engine sees anything; the resource bounds of :mod:`~ec_frontend.entrypoints.openai.limits`
   are checked before any input is decoded or tokenized;
 * input processing runs in a bounded pool (429 with ``Retry-After`` when full),
-  and the engine requests in flight are bounded (429).
+  and the engine requests in flight are bounded (429): a request reserves its
+  whole fan-out before it awaits anything, so concurrent arrivals are counted.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class Serving:
         self.config = config
         self.metrics = metrics
         self._active: set[str] = set()
+        #: Engine-request slots reserved by requests being prepared (:meth:`reserve`).
+        self._reserved = 0
         self._background: set[asyncio.Task[None]] = set()
         self.structured = StructuredCompiler(engine, config.vocab_size)
         limits = config.limits
@@ -150,17 +153,36 @@ class Serving:
         if size > limit:
             raise text_too_long(size, limit, param)
 
-    def check_limits(self, parsed: ParsedRequest) -> int:
-        """:meth:`check_input_limits`, then room for the engine requests (429)."""
+    def engine_requests(self) -> int:
+        """Engine requests counted against ``--max-engine-requests``: those in flight
+        (and aborted ids still reserved) plus the slots that admitted requests have
+        reserved and not yet turned into jobs."""
+        return len(self._active) + self._reserved
+
+    def reserve(self, parsed: ParsedRequest) -> int:
+        """:meth:`check_input_limits`, then reserve room for the request's whole
+        fan-out (429 when there is none); the number reserved.
+
+        Check and reservation happen without an await in between, so requests that
+        arrive together cannot all pass the check before any of them is counted. The
+        caller gives the slots back with :meth:`unreserve` on every path, once its jobs'
+        ids are counted in ``_active`` (or it failed)."""
         limits = self.config.limits
         count = self.check_input_limits(parsed)
-        if len(self._active) + count > limits.max_engine_requests:
+        held = self.engine_requests()
+        if held + count > limits.max_engine_requests:
             raise too_busy(
-                f"the server has {len(self._active)} engine requests in flight; at most "
-                f"{limits.max_engine_requests} are allowed (--max-engine-requests)",
+                f"the server has {held} engine requests in flight or admitted; this request "
+                f"needs {count} more and at most {limits.max_engine_requests} are allowed "
+                "(--max-engine-requests)",
                 "too_many_engine_requests",
             )
+        self._reserved += count
         return count
+
+    def unreserve(self, count: int) -> None:
+        """Give back slots of :meth:`reserve`."""
+        self._reserved -= count
 
     def _check_token_count(self, parsed: ParsedRequest) -> None:
         limit = self.config.max_model_len
@@ -250,10 +272,17 @@ class Serving:
 
     async def make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
         """Process inputs and build one :class:`Job` per engine request."""
+        self._check_media(parsed)
+        reserved = self.reserve(parsed)
+        try:
+            return await self._make_jobs(parsed, base_id)
+        finally:
+            # The jobs' ids are in ``_active`` now (no await since), or there are none.
+            self.unreserve(reserved)
+
+    async def _make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
         processor = self.engine.processor
         endpoint = parsed.endpoint
-        self._check_media(parsed)
-        self.check_limits(parsed)
         grammar, tools = await self._structured(parsed)
         prompts: list[tuple[Any, str, str | None]] = []
         if endpoint in ("chat", "responses"):
@@ -285,14 +314,18 @@ class Serving:
             inputs.cache_salt = parsed.cache_salt
         jobs: list[Job] = []
         single = n * len(prompts) == 1
-        for p, (inputs, _, text) in enumerate(prompts):
-            for i in range(n):
-                params = build_sampling_params(
-                    sampling, choice=i, vocab_size=self.config.vocab_size, bad_words=bad_words
-                )
-                params.structured_outputs = grammar
-                rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
-                jobs.append(Job(p * n + i, p, rid, inputs, params, text, tools=tools))
+        try:
+            for p, (inputs, _, text) in enumerate(prompts):
+                for i in range(n):
+                    params = build_sampling_params(
+                        sampling, choice=i, vocab_size=self.config.vocab_size, bad_words=bad_words
+                    )
+                    params.structured_outputs = grammar
+                    rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
+                    jobs.append(Job(p * n + i, p, rid, inputs, params, text, tools=tools))
+        except BaseException:
+            self.release(jobs)  # a later choice's invalid params: the earlier ids go back
+            raise
         return jobs
 
     def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
