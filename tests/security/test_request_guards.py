@@ -255,3 +255,130 @@ def test_four_simultaneous_256_way_requests_against_512(server: Proc) -> None:
     r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 1},
                    headers=AUTH, timeout=60)  # fmt: skip
     assert r.status_code == 200, r.text
+
+
+# ---- abort: exact ids, across the API servers of a group ------------------------------------
+
+ABORT = "/inference/v1/abort_requests"
+SERVER_HEADER = "x-ec-frontend-server"
+
+
+def wait_running(server: Proc, count: int, timeout_s: float = 20.0) -> None:
+    """Until the engine runs ``count`` requests."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics(server).get("ec_frontend_num_requests_running", 0.0) == count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine never ran {count} requests")
+
+
+def test_abort_is_exact(server: Proc) -> None:
+    """``team`` aborts both choices of ``team`` and neither ``team-7`` nor
+    ``team-12345678`` (ids of the shape of ``team``'s choices and collision suffixes)."""
+    requests = {"team": 2, "team-7": 1, "team-12345678": 1, "team-0": 1}
+    results: dict[str, httpx.Response] = {}
+
+    def run(rid: str, n: int) -> None:
+        headers = {**AUTH, "x-request-id": rid}
+        body = chat("abcdef", n=n, max_tokens=80)
+        url = server.url + "/v1/chat/completions"
+        results[rid] = httpx.post(url, json=body, headers=headers, timeout=60)
+
+    threads = [threading.Thread(target=run, args=item) for item in requests.items()]
+    for t in threads:
+        t.start()
+    wait_running(server, sum(requests.values()))
+    r = httpx.post(server.url + ABORT, json={"request_ids": ["team"]}, headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+    for t in threads:
+        t.join()
+    aborted = results.pop("team")
+    assert aborted.status_code == 503 and aborted.json()["error"]["code"] == "aborted"
+    for rid, other in results.items():
+        assert other.status_code == 200, (rid, other.text)
+        assert other.headers["x-request-id"] == rid
+        assert [c["finish_reason"] for c in other.json()["choices"]] == ["length"], rid
+        assert other.json()["usage"]["completion_tokens"] == 80
+
+
+@pytest.mark.parametrize(
+    ("ids", "param"),
+    [(["a b"], "request_ids[0]"), (["ok", "x" * 257], "request_ids[1]"),
+     (["id"] * 1025, "request_ids")],
+)  # fmt: skip
+def test_abort_ids_are_bounded(server: Proc, ids: list[str], param: str) -> None:
+    r = httpx.post(server.url + ABORT, json={"request_ids": ids}, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Proc]:
+    """Two API servers in front of one mock engine, 20 ms per step."""
+    proc = Proc(
+        "serve",
+        ["--mock-engine", "--api-key", API_KEY, "--served-model-name", MODEL,
+         "--mock-token-latency-ms", "20", "--api-server-count", "2"],
+        "group",
+    ).wait_ready()  # fmt: skip
+    yield proc
+    assert proc.stop() == 0
+
+
+def pinned_client(proc: Proc, index: str, tries: int = 200) -> httpx.Client:
+    """A client whose kept-alive connection reached API server ``index``."""
+    for _ in range(tries):
+        client = httpx.Client(timeout=30)
+        if client.get(proc.url + "/health").headers[SERVER_HEADER] == index:
+            return client
+        client.close()
+    raise AssertionError(f"no connection reached server {index}")
+
+
+def test_abort_reaches_the_request_through_either_server(group: Proc) -> None:
+    """A stream runs on one server; the abort goes through the other one, whichever that
+    is, until both servers have been the one aborting. Each stream ends at once with
+    ``finish_reason: "abort"``."""
+    aborted_through: set[str] = set()
+    for attempt in range(12):
+        rid = f"far-{attempt}"
+        body = chat("abcdef", max_tokens=3000, stream=True)
+        with (
+            httpx.Client(timeout=60) as streamer,
+            streamer.stream(
+                "POST",
+                group.url + "/v1/chat/completions",
+                json=body,
+                headers={**AUTH, "x-request-id": rid},
+            ) as r,
+        ):
+            assert r.status_code == 200
+            owner = r.headers[SERVER_HEADER]
+            other = "1" if owner == "0" else "0"
+            if other in aborted_through:
+                continue  # this direction is shown; try for the other one
+            lines = r.iter_lines()
+            tokens = 0
+            for line in lines:
+                if line.startswith("data: {") and '"content":"' in line and '"role"' not in line:
+                    tokens += 1
+                    if tokens == 3:
+                        break
+            aborter = pinned_client(group, other)
+            try:
+                a = aborter.post(group.url + ABORT, json={"request_ids": [rid]}, headers=AUTH)
+            finally:
+                aborter.close()
+            assert a.status_code == 200 and a.headers[SERVER_HEADER] == other
+            finish = None
+            for line in lines:
+                if line.startswith("data: {"):
+                    choice = orjson.loads(line[6:])["choices"][0]
+                    finish = choice["finish_reason"] or finish
+                    tokens += 1
+            assert finish == "abort", finish
+            assert tokens < 500, tokens  # ended at the abort, not at max_tokens
+            aborted_through.add(other)
+        if aborted_through == {"0", "1"}:
+            break
+    assert aborted_through == {"0", "1"}

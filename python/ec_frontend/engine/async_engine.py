@@ -16,9 +16,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.engine.groups import RequestGroups
 from ec_frontend.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.sampling_params import SamplingParams
@@ -90,6 +93,8 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
+        #: the client requests of the requests in flight (under ``_lock``)
+        self._groups: RequestGroups[str] = RequestGroups()
         self._stats = core.stats()
         self._stopping = False
         self._dead: str | None = None
@@ -110,12 +115,17 @@ class AsyncEngine:
     # ---- client API ---------------------------------------------------------
 
     def add_request(
-        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams
+        self,
+        request_id: str,
+        inputs: ProcessedInputs,
+        params: SamplingParams,
+        group: str | None = None,
     ) -> RequestStream:
         """Submit a request; iterate the result for its deltas.
 
         Must be called from a running event loop. Raises ``ValueError`` for an
         id already in flight and :class:`EngineDeadError` after shutdown.
+        ``group``: the client request it belongs to, for :meth:`abort_groups`.
         """
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -125,6 +135,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             sink = _Sink(loop, asyncio.Queue())
             self._sinks[request_id] = sink
+            self._groups.add(group, request_id)
         self._commands.put(("add", (request_id, inputs, params)))
         self._wakeup.set()
         return RequestStream(self, request_id, sink)
@@ -136,6 +147,13 @@ class AsyncEngine:
     def _abort_nowait(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
+
+    async def abort_groups(self, groups: Sequence[str]) -> None:
+        """Abort every request of ``groups`` (exact names; see ``engine/groups.py``)."""
+        with self._lock:
+            ids = self._groups.members(groups)
+        for request_id in ids:
+            self._abort_nowait(request_id)
 
     def stats(self) -> EngineStats:
         """The latest snapshot (taken by the core thread after each step)."""
@@ -186,6 +204,7 @@ class AsyncEngine:
             self._dead = reason
             self._stats = core.stats()
             sinks, self._sinks = self._sinks, {}
+            self._groups = RequestGroups()
         for request_id, sink in sinks.items():
             output = RequestOutput(
                 request_id=request_id, finished=True, finish_reason="error", error=reason
@@ -223,6 +242,7 @@ class AsyncEngine:
                     continue
                 if output.finished:
                     del self._sinks[output.request_id]
+                    self._groups.discard(output.request_id)
                 batches.setdefault(sink.loop, []).append((sink.queue, output))
         for loop, items in batches.items():
             _post(loop, items)

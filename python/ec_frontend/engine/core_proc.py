@@ -43,8 +43,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from ec_frontend.engine.groups import RequestGroups
 from ec_frontend.engine.wire import (
     ABORT,
+    ABORT_GROUPS,
     ADD,
     PROTOCOL_VERSION,
     SHUTDOWN,
@@ -384,6 +386,8 @@ class EngineServer:
         #: finished requests a connector still holds (engine ids)
         self.held: set[str] = set()
         self._held_owner: dict[str, tuple[bytes, str]] = {}
+        #: the client requests (groups) of the requests in flight, over all clients
+        self.groups: RequestGroups[tuple[bytes, str]] = RequestGroups()
         self.running = True
         self.info: dict[str, Any] = {
             "protocol": PROTOCOL_VERSION,
@@ -455,6 +459,13 @@ class EngineServer:
                 ids = [self.ids[(identity, r)] for r in message[1] if (identity, r) in self.ids]
                 if ids:
                     self.core.abort(ids)
+            elif kind == ABORT_GROUPS:
+                # Any client's requests: the API servers of a group serve one principal
+                # (their shared API key), and an abort may land on any of them.
+                owners = self.groups.members(g for g in message[1] if isinstance(g, str))
+                ids = [self.ids[o] for o in owners if o in self.ids]
+                if ids:
+                    self.core.abort(ids)
             elif kind == STOP:
                 engine_id = self.ids.get((identity, message[1]))
                 if engine_id is not None:
@@ -471,20 +482,24 @@ class EngineServer:
         return f"{identity.decode(errors='replace')}:{request_id}"
 
     def _add(self, identity: bytes, message: list[Any]) -> None:
-        _, request_id, inputs, params = message
+        _, request_id, inputs, params, *rest = message
+        group = rest[0] if rest and isinstance(rest[0], str) else None
         engine_id = self._engine_id(identity, request_id)
         if engine_id in self.owners or engine_id in self.held:
             self._fail(identity, request_id, f"request id {request_id!r} is already in use")
             return
+        owner = (identity, request_id)
         try:
             built_inputs = self._inputs(inputs)
             built_params = self._params(params)
-            self.owners[engine_id] = (identity, request_id)
-            self.ids[(identity, request_id)] = engine_id
+            self.owners[engine_id] = owner
+            self.ids[owner] = engine_id
+            self.groups.add(group, owner)
             self.core.add_request(engine_id, built_inputs, built_params)
         except Exception as exc:
             self.owners.pop(engine_id, None)
-            self.ids.pop((identity, request_id), None)
+            self.ids.pop(owner, None)
+            self.groups.discard(owner)
             self._fail(identity, request_id, f"request could not be added: {exc}")
 
     def _fail(self, identity: bytes, request_id: str, error: str) -> None:
@@ -535,6 +550,7 @@ class EngineServer:
             if out.finished:
                 del self.owners[out.request_id]
                 self.ids.pop(owner, None)
+                self.groups.discard(owner)
                 if out.request_id in requests:
                     self.held.add(out.request_id)
                     held_added.setdefault(identity, []).append(client_id)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ec_frontend.engine.groups import RequestGroups
 from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
 from ec_frontend.engine.stats import EngineStats
 
@@ -189,6 +190,7 @@ class MockEngine:
         self._aborted: set[str] = set()
         self._refs: dict[str, int] = {}
         self._stats = _MockCounters()
+        self._groups: RequestGroups[str] = RequestGroups()
 
     def stats(self) -> EngineStats:
         blocks = sum(self._running.values())
@@ -208,6 +210,11 @@ class MockEngine:
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:
             self._aborted.add(request_id)
+
+    async def abort_groups(self, groups: Sequence[str]) -> None:
+        """Abort every request of ``groups`` (exact names; see ``engine/groups.py``)."""
+        for request_id in self._groups.members(groups):
+            await self.abort(request_id)
 
     def shutdown(self) -> None:
         self._running.clear()
@@ -236,13 +243,15 @@ class MockEngine:
                 self._refs.pop(f.mm_hash, None)
 
     async def add_request(
-        self, request_id: str, inputs: MockInputs, params: Any
+        self, request_id: str, inputs: MockInputs, params: Any, group: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield one delta per generated token; the last one has ``finished=True``.
 
         With no token latency the deltas come without yielding to the event loop.
+        ``group``: the client request it belongs to, for :meth:`abort_groups`.
         """
         self._acquire(request_id, inputs)
+        self._groups.add(group, request_id)
         try:
             for out in self._generate(request_id, inputs, params):
                 if out is None:
@@ -250,6 +259,7 @@ class MockEngine:
                     continue
                 yield out
         finally:
+            self._groups.discard(request_id)
             self._release(request_id, inputs)
 
     def _generate(

@@ -44,6 +44,7 @@ from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
 from ec_frontend.engine.stats import EngineStats
 from ec_frontend.engine.wire import (
     ABORT,
+    ABORT_GROUPS,
     ADD,
     HELLO,
     SHUTDOWN,
@@ -232,8 +233,11 @@ class MPEngineClient:
 
     # ---- the AsyncEngine interface ----------------------------------------------
 
-    def add_request(self, request_id: str, inputs: Any, params: SamplingParams) -> RequestStream:
-        """Submit a request; iterate the result for its deltas (from a running loop)."""
+    def add_request(
+        self, request_id: str, inputs: Any, params: SamplingParams, group: str | None = None
+    ) -> RequestStream:
+        """Submit a request; iterate the result for its deltas (from a running loop).
+        ``group``: the client request it belongs to, for :meth:`abort_groups`."""
         loop = asyncio.get_running_loop()
         prompt = inputs.prompt_token_ids
         detok = None
@@ -246,7 +250,8 @@ class MPEngineClient:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._requests[request_id] = _ClientRequest(sink, prompt, detok)
-        self._send((ADD, request_id, pack_dataclass(inputs), pack_params(params)))
+        message: tuple[Any, ...] = (ADD, request_id, pack_dataclass(inputs), pack_params(params))
+        self._send(message if group is None else (*message, group))
         return RequestStream(self, request_id, sink)  # type: ignore[arg-type]
 
     async def abort(self, request_id: str) -> None:
@@ -256,6 +261,13 @@ class MPEngineClient:
     def _abort_nowait(self, request_id: str) -> None:
         if self._dead is None and not self._closing:
             self._send((ABORT, [request_id]))
+
+    async def abort_groups(self, groups: Sequence[str]) -> None:
+        """Abort every request of ``groups`` (exact names), whichever client of the
+        engine process added it: the engine applies it, so with several API servers
+        an abort reaches the request wherever it runs."""
+        if groups and self._dead is None and not self._closing:
+            self._send((ABORT_GROUPS, list(groups)))
 
     def stats(self) -> EngineStats:
         """The engine's snapshot after its latest step that computed anything."""

@@ -3,7 +3,10 @@
 Two ZMQ ROUTER sockets connect the engine process (``engine/core_proc.py``) and
 its clients (``engine/mp_client.py``, one per API server):
 
-* **input**: ``[ADD, request_id, inputs, params]``, ``[ABORT, [ids]]``,
+* **input**: ``[ADD, request_id, inputs, params]`` (with a fifth element, the
+  request's group: the client request it is a choice of), ``[ABORT, [ids]]``,
+  ``[ABORT_GROUPS, [groups]]`` (every request of those groups, whichever client
+  added it: an abort through any API server of a group reaches the request),
   ``[STOP, id, reason]``, ``[SHUTDOWN]``;
 * **output**: ``hello`` once from each client, answered ``[WELCOME, info]``; then
   one :class:`EngineOutputs` per client after every step that computed anything.
@@ -33,6 +36,7 @@ PROTOCOL_VERSION = 1
 # ---- message kinds (the first element of every header) -----------------------
 #: client -> engine (input socket)
 ADD, ABORT, STOP, SHUTDOWN = "add", "abort", "stop", "shutdown"
+ABORT_GROUPS = "abort_groups"
 #: client -> engine (output socket), and the engine's answer
 HELLO, WELCOME = b"hello", "welcome"
 #: engine -> client (output socket)

@@ -20,6 +20,9 @@ class Job:
     started: bool = False
     #: The request's :class:`~ec_frontend.entrypoints.openai.tool_parsers.ToolPlan`, if any.
     tools: Any = None
+    #: The client request this job is a choice of (its ``X-Request-Id`` or generate
+    #: ``request_id``): what ``/inference/v1/abort_requests`` names.
+    group: str | None = None
 
 
 @dataclass(slots=True)

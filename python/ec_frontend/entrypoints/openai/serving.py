@@ -322,7 +322,9 @@ class Serving:
                     )
                     params.structured_outputs = grammar
                     rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")
-                    jobs.append(Job(p * n + i, p, rid, inputs, params, text, tools=tools))
+                    jobs.append(
+                        Job(p * n + i, p, rid, inputs, params, text, tools=tools, group=base_id)
+                    )
         except BaseException:
             self.release(jobs)  # a later choice's invalid params: the earlier ids go back
             raise
@@ -380,6 +382,11 @@ class Serving:
     def active_ids(self) -> list[str]:
         """Engine request ids in flight (the drain aborts these on timeout)."""
         return list(self._active)
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort every engine request of the client requests named (exactly: ``team``
+        is not ``team-7``), on any API server of the engine (the engine applies it)."""
+        await self.engine.abort_groups(request_ids)
 
     def release(self, jobs: list[Job]) -> None:
         """Forget the ids of ``jobs`` that never reached the engine (the others are
@@ -446,7 +453,7 @@ class Serving:
 
     def _start(self, job: Job) -> Any:
         job.started = True
-        return self.engine.add_request(job.request_id, job.inputs, job.params)
+        return self.engine.add_request(job.request_id, job.inputs, job.params, group=job.group)
 
     def _observe(self, timing: Timing, out: Any) -> bool:
         """Record latency metrics for one delta; True when it finishes the request."""

@@ -18,8 +18,11 @@ keep answering while it runs.
 * ``GET|POST /ping``: 200 with an empty body while the engine runs (as ``/health``).
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": str | [str]}`` -> 200
   with an empty body. An id is a request's ``X-Request-Id`` (or a generate
-  request's ``request_id``); the engine requests of all its choices end with
-  ``finish_reason: "abort"``. Unknown ids are ignored, as in vLLM.
+  request's ``request_id``), matched exactly; the engine requests of all its
+  choices end with ``finish_reason: "abort"``, on whichever API server of a
+  ``--api-server-count`` group runs them (the engine applies the abort). Unknown
+  ids are ignored, as in vLLM; at most ``MAX_ABORT_IDS`` ids per call, each
+  following the ``X-Request-Id`` rule (400 otherwise).
 
 Errors are OpenAI-style bodies (``docs/compatibility.md`` lists where vLLM
 answers differently).
@@ -27,7 +30,6 @@ answers differently).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,7 @@ from starlette.responses import Response
 from ec_frontend import __version__
 from ec_frontend._core import parse_request
 from ec_frontend.entrypoints.http.errors import APIError
+from ec_frontend.entrypoints.http.middleware import valid_request_id
 from ec_frontend.entrypoints.openai.sampling import encode_text
 from ec_frontend.entrypoints.openai.serving import continuation
 from ec_frontend.entrypoints.openai.tool_parsers import plan_from
@@ -53,9 +56,8 @@ _DETOKENIZE_BYTES_PER_ID = 16
 _DETOKENIZE_SLACK_BYTES = 64 * 1024
 #: vLLM's bound on a token id in ``/detokenize`` (an int64).
 _MAX_TOKEN_ID = 2**63 - 1
-#: What follows a request id in the ids of its engine requests: the choice index
-#: (``-3``) and, after a collision, a random suffix (``-1a2b3c4d``).
-_CHILD_SUFFIX = re.compile(r"(-(\d+|[0-9a-f]{8}))+")
+#: Ids one ``/inference/v1/abort_requests`` call may name.
+MAX_ABORT_IDS = 1024
 #: Chat fields of ``/tokenize`` that go to the chat parser as they are.
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs",
                 "mm_processor_kwargs", "continue_final_message", "tools")  # fmt: skip
@@ -109,16 +111,6 @@ def _token_strs(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     if convert is not None:
         return [str(t) for t in convert(list(ids))]
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-
-
-def _requested(engine_id: str, wanted: set[str]) -> bool:
-    """Whether ``engine_id`` is one of ``wanted`` or an engine request of one of them."""
-    if engine_id in wanted:
-        return True
-    return any(
-        engine_id.startswith(w + "-") and _CHILD_SUFFIX.fullmatch(engine_id, len(w)) is not None
-        for w in wanted
-    )
 
 
 def _json_bytes(body: bytes) -> Response:
@@ -291,7 +283,7 @@ class VLLMRoutes:
         return Response(status_code=200)
 
     async def abort_requests(self, request: Request) -> Response:
-        data = _json_object(await self.app.read_body(request))
+        data = await self._load(await self.app.read_body(request))
         ids = data.get("request_ids")
         if ids is None:
             raise _bad("request_ids is required", "request_ids", "missing_field")
@@ -301,10 +293,19 @@ class VLLMRoutes:
             raise _bad(
                 "request_ids must be a string or a list of strings", "request_ids", "invalid_type"
             )
-        wanted = set(ids)
-        for rid in self.app.serving.active_ids():
-            if _requested(rid, wanted):
-                await self.app.engine.abort(rid)
+        if len(ids) > MAX_ABORT_IDS:
+            raise _bad(
+                f"request_ids has {len(ids)} ids; at most {MAX_ABORT_IDS} are allowed per call",
+                "request_ids",
+                "too_many_ids",
+            )
+        for i, rid in enumerate(ids):
+            if not valid_request_id(rid):
+                raise _bad(
+                    "a request id is 1 to 256 visible ASCII characters (the X-Request-Id rule)",
+                    f"request_ids[{i}]",
+                )
+        await self.app.serving.abort_requests(list(dict.fromkeys(ids)))
         return Response(status_code=200)
 
 
