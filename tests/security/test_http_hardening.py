@@ -465,6 +465,33 @@ def test_proxy_media_items_refused_before_any_encoder_request(
     assert encoder_requests(backend) == before
 
 
+def test_proxy_counts_references_before_any_encoder_request(
+    proxied: tuple[Proc, Proc],
+) -> None:
+    """Issue 28: three images to encode and two ``image_embeds`` references are five
+    media items against ``--max-media-items 4``: refused before any encoder request
+    (before, the three were encoded and the instance refused the request after)."""
+    proxy, backend = proxied
+    before = encoder_requests(backend)
+    body = chat_body(distinct_images(3), max_tokens=1)
+    reference = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]},
+                 "uuid": "ref"}  # fmt: skip
+    body["messages"][0]["content"] += [reference, {**reference, "uuid": "ref-2"}]
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=orjson.dumps(body), timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_many_media_items" and error["param"] == "messages"
+    assert "5 media items" in error["message"]
+    generate = {"token_ids": [104] * 8, "sampling_params": {"max_tokens": 1},
+                "features": {"mm_hashes": ["a" * 64] * 5,
+                             "mm_placeholders": [{"offset": 0, "length": 1}] * 5}}  # fmt: skip
+    r = httpx.post(proxy.url + "/inference/v1/generate", json=generate, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "features.mm_hashes"
+    assert encoder_requests(backend) == before
+    assert requests_total(backend, "/inference/v1/generate", 400) == 0
+
+
 def test_proxy_encoder_fanout_is_bounded(proxied: tuple[Proc, Proc]) -> None:
     """Four distinct images with at most two encoder requests at a time take two rounds
     of the backend's 300 ms, never one."""

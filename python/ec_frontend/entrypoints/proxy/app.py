@@ -33,7 +33,9 @@ when the encoder fails), prefill params that do not verify give 502.
 
 Limits (each a flag): the body is read up to ``max_body_bytes`` (413 beyond,
 408 when it does not arrive within ``body_timeout_s``), a chat request carries
-at most ``max_media_items`` image parts (400), and one request has at most
+at most ``max_media_items`` media parts (400; ``image_embeds`` references and a
+generate body's ``features.mm_hashes`` count too, checked before any encoder
+request), and one request has at most
 ``max_encoder_fanout`` encoder requests in flight at once.
 
 One ``X-Request-Id`` (the client's, or a fresh one) travels to every stage
@@ -149,14 +151,25 @@ def strip_transfer_params(endpoint: str, body: dict[str, Any]) -> list[str]:
     return removed
 
 
+#: Content part types that carry no media; every other part counts as a media item.
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal"})
+
+
 def count_media_parts(body: dict[str, Any]) -> int:
-    """Image parts of a chat body, duplicates included."""
+    """Media items of a body, duplicates included, as an instance counts them against
+    its own ``--max-media-items``: every chat content part that is not text
+    (``image_url`` to encode, ``image_embeds`` references, and any other kind, which
+    an instance refuses anyway), and a generate body's ``features.mm_hashes``."""
     count = 0
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
-            count += isinstance(part, dict) and part.get("type") == "image_url"
+            count += not (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES)
+    features = body.get("features")
+    hashes = features.get("mm_hashes") if isinstance(features, dict) else None
+    if isinstance(hashes, list):
+        count += len(hashes)
     return count
 
 
@@ -466,10 +479,12 @@ class Proxy:
         items = count_media_parts(body)
         if items > self.config.max_media_items:
             message = (
-                f"the request has {items} image parts; at most {self.config.max_media_items} "
-                "are allowed (--max-media-items)"
+                f"the request has {items} media items (images to encode and image_embeds "
+                f"references together); at most {self.config.max_media_items} are allowed "
+                "(--max-media-items)"
             )
-            refusal = ClientError(400, message, "too_many_media_items", "messages")
+            param = "features.mm_hashes" if endpoint == "generate" else "messages"
+            refusal = ClientError(400, message, "too_many_media_items", param)
             return self._refuse(endpoint, refusal, out_headers)
         removed = strip_transfer_params(endpoint, body)
         if removed:

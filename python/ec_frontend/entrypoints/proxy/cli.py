@@ -60,7 +60,8 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         ("--max-body-bytes", int, d.max_body_bytes,
          "largest accepted request body; larger ones get 413 (default %(default)s)"),
         ("--max-media-items", int, d.max_media_items,
-         "image parts per request; more get 400 (default %(default)s)"),
+         "media items per request (images and image_embeds references); more get 400 "
+         "before any encoder request (default %(default)s)"),
         ("--max-encoder-fanout", int, d.max_encoder_fanout,
          "encoder requests in flight per client request (default %(default)s)"),
     ])  # fmt: skip
