@@ -1,7 +1,8 @@
 """MPEngineClient: the server's engine when the core runs in its own process.
 
 It has the interface the server uses of :class:`~ec_frontend.engine.async_engine.AsyncEngine`
-(``add_request`` -> :class:`RequestStream`, ``abort``, ``stats``, ``holds_request``,
+(``add_request`` -> :class:`RequestStream`, ``abort``, ``abort_groups`` (applied by
+the engine to every client's requests), ``stats``, ``holds_request``,
 ``is_running``, ``shutdown``, ``processor``, ``config``, ``eos_token_id``) and
 talks to the engine process of :mod:`ec_frontend.engine.core_proc` over ZMQ.
 
