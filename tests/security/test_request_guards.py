@@ -203,6 +203,22 @@ def test_detokenize_at_the_cap_runs_off_the_loop(server: Proc) -> None:
     assert f"{cap + 1} token ids" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/inference/v1/abort_requests"])
+def test_millions_of_json_values_are_refused_unparsed(server: Proc, path: str) -> None:
+    """20M small values (40 MB) in a field the route ignores: refused before the JSON
+    parser builds them, while ``/health`` keeps answering within 0.2 s."""
+    body = b'{"prompt": "hi", "request_ids": ["x"], "junk": [' + b"1," * 20_000_000 + b"1]}"
+
+    def send() -> httpx.Response:
+        headers = {**AUTH, "content-type": "application/json"}
+        return httpx.post(server.url + path, content=body, headers=headers, timeout=120)
+
+    worst, polls, r = worst_health_latency_while(send, server)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "too_many_values"
+    assert polls >= 3 and worst < 0.2, (polls, worst)
+
+
 # ---- admission: the fan-out is counted on arrival ------------------------------------------
 
 

@@ -8,12 +8,6 @@
 * ``POST /detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``; at most
   ``--max-prompt-chars`` ids (as many as ``/tokenize`` can give), else 400
   ``too_many_tokens`` (a body too large to hold that many is refused unparsed).
-
-The tokenizer work of ``/tokenize`` and ``/detokenize`` (and the parsing of
-their larger bodies) runs on the server's bounded processing pool
-(:meth:`~ec_frontend.entrypoints.openai.serving.Serving.offload`; 429 when it is
-full), never on the event loop, so ``/health`` and the streams of other clients
-keep answering while it runs.
 * ``GET /version``: ``{"version": str}`` (ec-frontend's own version).
 * ``GET|POST /ping``: 200 with an empty body while the engine runs (as ``/health``).
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": str | [str]}`` -> 200
@@ -23,6 +17,12 @@ keep answering while it runs.
   ``--api-server-count`` group runs them (the engine applies the abort). Unknown
   ids are ignored, as in vLLM; at most ``MAX_ABORT_IDS`` ids per call, each
   following the ``X-Request-Id`` rule (400 otherwise).
+
+The tokenizer work of ``/tokenize`` and ``/detokenize`` (and the parsing of
+their larger bodies) runs on the server's bounded processing pool
+(:meth:`~ec_frontend.entrypoints.openai.serving.Serving.offload`; 429 when it is
+full), never on the event loop, so ``/health`` and the streams of other clients
+keep answering while it runs.
 
 Errors are OpenAI-style bodies (``docs/compatibility.md`` lists where vLLM
 answers differently).
@@ -40,7 +40,7 @@ from starlette.responses import Response
 from ec_frontend import __version__
 from ec_frontend._core import parse_request
 from ec_frontend.entrypoints.http.errors import APIError
-from ec_frontend.entrypoints.http.middleware import valid_request_id
+from ec_frontend.entrypoints.http.middleware import MAX_REQUEST_ID_CHARS, valid_request_id
 from ec_frontend.entrypoints.openai.sampling import encode_text
 from ec_frontend.entrypoints.openai.serving import continuation
 from ec_frontend.entrypoints.openai.tool_parsers import plan_from
@@ -58,6 +58,8 @@ _DETOKENIZE_SLACK_BYTES = 64 * 1024
 _MAX_TOKEN_ID = 2**63 - 1
 #: Ids one ``/inference/v1/abort_requests`` call may name.
 MAX_ABORT_IDS = 1024
+#: JSON values a utility route's body may hold beyond its own payload.
+_SLACK_VALUES = 65536
 #: Chat fields of ``/tokenize`` that go to the chat parser as they are.
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs",
                 "mm_processor_kwargs", "continue_final_message", "tools")  # fmt: skip
@@ -75,6 +77,24 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     return data
+
+
+def _bounded_json_object(body: bytes, max_values: int) -> dict[str, Any]:
+    """:func:`_json_object`, refusing first (400 ``too_many_values``) a body with more
+    than ``max_values`` commas: a JSON parser holds the interpreter while it builds a
+    value, and millions of small values (``[1,1,1,...]`` in a field the route ignores)
+    would hold it, and the event loop with it, for seconds. Counting commas is a
+    memory scan; a route's legitimate values are bounded (text by
+    ``--max-prompt-chars``; base64 image data has no commas)."""
+    commas = body.count(b",")
+    if commas > max_values:
+        raise _bad(
+            f"the request body holds {commas} JSON values or more; this route takes at "
+            f"most {max_values}",
+            None,
+            "too_many_values",
+        )
+    return _json_object(body)
 
 
 def _flag(data: dict[str, Any], name: str, default: bool) -> bool:
@@ -118,10 +138,11 @@ def _json_bytes(body: bytes) -> Response:
 
 
 def _too_many_ids(limit: int, count: int | None) -> APIError:
-    what = f"{count} token ids" if count is not None else "a body too large for"
+    """400 for a ``/detokenize`` over ``limit`` ids (``count`` ``None``: the body is too
+    large to hold at most ``limit``, and was not parsed)."""
+    has = f"has {count} token ids" if count is not None else "body is too large for that many"
     return _bad(
-        f"/detokenize takes at most {limit} token ids (--max-prompt-chars); the request "
-        f"has {what}" + ("" if count is not None else f" {limit} ids"),
+        f"/detokenize takes at most {limit} token ids (--max-prompt-chars); the request {has}",
         "tokens",
         "too_many_tokens",
     )
@@ -150,11 +171,19 @@ class VLLMRoutes:
             raise APIError(501, "this server has no tokenizer", code="not_implemented")
         return tokenizer
 
-    async def _load(self, body: bytes) -> dict[str, Any]:
-        """The body's JSON object; a large body is parsed off the event loop."""
+    async def _load(self, body: bytes, max_values: int) -> dict[str, Any]:
+        """The body's JSON object; a large body is parsed off the event loop, and only
+        when it holds at most about ``max_values`` values (:func:`_bounded_json_object`)."""
         if len(body) > _INLINE_JSON_BYTES:
-            return await self.app.serving.offload(_json_object, body)
+            return await self.app.serving.offload(_bounded_json_object, body, max_values)
         return _json_object(body)
+
+    def _tokenize_values(self) -> int:
+        """JSON values a ``/tokenize`` body may hold: its text (at most
+        ``--max-prompt-chars``, one value per character at worst) and the structure
+        around it (messages, parts, images, tools)."""
+        app = self.app
+        return app.serving.config.limits.prompt_chars(app.config.max_model_len) + _SLACK_VALUES
 
     def _parse_chat(self, data: dict[str, Any]) -> Any:
         """The chat part of a ``/tokenize`` body, parsed and checked (a worker thread)."""
@@ -233,7 +262,7 @@ class VLLMRoutes:
         )
 
     async def tokenize(self, request: Request) -> Response:
-        data = await self._load(await self.app.read_body(request))
+        data = await self._load(await self.app.read_body(request), self._tokenize_values())
         return_strs = _flag(data, "return_token_strs", False)
         serving = self.app.serving
         if "messages" in data:
@@ -283,7 +312,8 @@ class VLLMRoutes:
         return Response(status_code=200)
 
     async def abort_requests(self, request: Request) -> Response:
-        data = await self._load(await self.app.read_body(request))
+        body = await self.app.read_body(request)
+        data = await self._load(body, MAX_ABORT_IDS * (MAX_REQUEST_ID_CHARS + 1) + _SLACK_VALUES)
         ids = data.get("request_ids")
         if ids is None:
             raise _bad("request_ids is required", "request_ids", "missing_field")
