@@ -31,7 +31,7 @@ import zmq
 if TYPE_CHECKING:
     from ec_frontend.engine.outputs import RequestOutput
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ADD carries the group, ABORT_GROUPS
 
 # ---- message kinds (the first element of every header) -----------------------
 #: client -> engine (input socket)
