@@ -10,6 +10,8 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 ruff check .
 ruff format --check .
+mypy
+PYTHONPATH=python python -m mypy.stubtest ec_frontend._core --allowlist scripts/stubtest_allowlist.txt
 
 echo "== cargo test"
 cargo test --workspace --quiet
