@@ -49,7 +49,8 @@ class LlavaVisionTower(nn.Module):
         features = out.hidden_states[self.feature_layer]
         if self.drop_cls:
             features = features[:, 1:]
-        return self.multi_modal_projector(features)
+        projected: torch.Tensor = self.multi_modal_projector(features)
+        return projected
 
 
 class LlavaModel(Qwen2VLModel):

@@ -78,7 +78,8 @@ class LlavaNextVisionTower(LlavaVisionTower):
         from transformers.image_processing_utils import select_best_resolution
 
         best_h, best_w = select_best_resolution((height, width), self.pinpoints)
-        return (best_h // self.tile_size) * (best_w // self.tile_size) + 1
+        tiles: int = (best_h // self.tile_size) * (best_w // self.tile_size) + 1
+        return tiles
 
     def forward(  # type: ignore[override]
         self, pixel_values: torch.Tensor, sizes: list[tuple[int, int]], tiles: list[int]
@@ -127,7 +128,10 @@ class LlavaNextModel(Qwen2VLModel):
                 f"pixel_values has shape {tuple(pixel_values.shape)}; the images' sizes make "
                 f"{sum(tiles)} tiles"
             )
-        return vision(pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles)
+        features: list[torch.Tensor] = vision(
+            pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles
+        )
+        return features
 
 
 FAMILY = ModelFamily(

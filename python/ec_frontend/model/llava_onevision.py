@@ -184,7 +184,10 @@ class LlavaOnevisionModel(Qwen2VLModel):
                 f"pixel_values has shape {tuple(pixel_values.shape)}; the images' grids make "
                 f"{sum(tiles)} tiles"
             )
-        return vision(pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles, modes)
+        features: list[torch.Tensor] = vision(
+            pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles, modes
+        )
+        return features
 
 
 class LlavaOnevisionInputProcessor(InputProcessor):

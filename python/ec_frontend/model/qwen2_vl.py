@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel
-from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig, qwen2_text_config
+from ec_frontend.model.qwen2_text import Qwen2TextModel, TextShape, qwen2_text_config
 from ec_frontend.model.registry import ModelFamily, PositionSpec
 
 #: Checkpoint name prefixes of Qwen-VL families: the Hub layout (``visual.*``,
@@ -60,7 +60,7 @@ class Qwen2VLModel(VisionLanguageModel):
     def __init__(
         self,
         *,
-        text_config: TextModelConfig,
+        text_config: TextShape,
         image_token_id: int,
         spatial_merge_size: int,
         vision: nn.Module | None,
@@ -120,7 +120,8 @@ class Qwen2VLModel(VisionLanguageModel):
 
     def _encoder_rows(self, out: Any) -> torch.Tensor:
         """The ``[tokens, encoder_output_size]`` rows of all images from the tower's output."""
-        return out.pooler_output
+        rows: torch.Tensor = out.pooler_output
+        return rows
 
     @torch.no_grad()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,8 @@ class Qwen2VLModel(VisionLanguageModel):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        return self._language()(inputs_embeds, positions, kv_caches, attn_metadata)
+        hidden: torch.Tensor = self._language()(inputs_embeds, positions, kv_caches, attn_metadata)
+        return hidden
 
     def decode_graphs_supported(self) -> bool:
         # The triton backend reads each decode's context through its block table up to

@@ -147,7 +147,8 @@ class Qwen3Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, slots)
         out = paged_attention(q, k, v, kv_cache, layout, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return projected
 
 
 class Qwen3TextModel(Qwen2TextModel):
@@ -158,6 +159,7 @@ class Qwen3TextModel(Qwen2TextModel):
     """
 
     attention = Qwen3Attention
+    cfg: Qwen3TextConfig
 
     def __init__(self, cfg: Qwen3TextConfig) -> None:
         super().__init__(cfg)
@@ -186,12 +188,15 @@ class Qwen3TextModel(Qwen2TextModel):
             h = layer(h, rope, kv_cache, layout, slots)
             if i < self.cfg.num_deepstack:
                 h = h + deepstack[:, i]
-        return self.norm(h)
+        normed: torch.Tensor = self.norm(h)
+        return normed
 
 
 class Qwen3VLModel(Qwen2VLModel):
     """A loaded Qwen3-VL checkpoint: its tower's merged tokens and DeepStack features
     travel as one encoder output row per placeholder token."""
+
+    text_config: Qwen3TextConfig
 
     @property
     def encoder_output_size(self) -> int:
