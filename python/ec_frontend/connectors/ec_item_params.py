@@ -19,25 +19,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.types import JSONObject
+
 if TYPE_CHECKING:
     from ec_frontend.model.processor import MultiModalFeature
 
 IMAGE = "image"
 
 
-def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, dict[str, Any]]:
+def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, JSONObject]:
     """``{mm_hash: {"modality", "item_indices", "metadata"}}`` for ``features``."""
-    items: dict[str, dict[str, Any]] = {}
+    items: dict[str, JSONObject] = {}
+    indices: dict[str, list[int]] = {}
     for index, feature in enumerate(features):
-        entry = items.get(feature.mm_hash)
-        if entry is None:
+        known = indices.get(feature.mm_hash)
+        if known is None:
+            indices[feature.mm_hash] = known = [index]
             items[feature.mm_hash] = {
                 "modality": IMAGE,
-                "item_indices": [index],
+                "item_indices": known,
                 "metadata": {"image_grid_thw": list(feature.image_grid_thw)},
             }
         else:
-            entry["item_indices"].append(index)
+            known.append(index)
     return items
 
 

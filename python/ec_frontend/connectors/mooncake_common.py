@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ec_frontend.config import ConfigError
+from ec_frontend.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

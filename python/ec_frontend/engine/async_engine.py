@@ -82,7 +82,7 @@ class RequestStream:
 class AsyncEngine:
     """Serves requests on an :class:`EngineCore` stepped by a daemon thread."""
 
-    def __init__(self, core: EngineCore, processor: InputProcessor | None = None) -> None:
+    def __init__(self, core: EngineCore, processor: InputProcessor) -> None:
         self.core = core
         self.config: EngineConfig = core.config
         self.processor = processor

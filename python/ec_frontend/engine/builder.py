@@ -6,18 +6,23 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ec_frontend.config import (
     BLOCK_SIZES,
     CacheConfig,
-    ConfigError,
     ECTransferConfig,
     EngineConfig,
     KVTransferConfig,
     SchedulerConfig,
     TransferTrust,
 )
+from ec_frontend.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.client import EngineClient
+    from ec_frontend.engine.core_proc import EngineProcess
+    from ec_frontend.model.processor import ProcessedInputs
 
 
 class EngineArgs(Protocol):
@@ -246,7 +251,9 @@ def build_core(config: EngineConfig) -> tuple[Any, Any]:
     return EngineCore(config, model, eos_token_id=eos), processor
 
 
-def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]:
+def create_engine(
+    opts: EngineArgs, spawned: EngineProcess | None = None
+) -> tuple[EngineClient[Any], str, int]:
     """``(engine, model_id, max_model_len)``; raises ``ValueError`` on bad options and
     :class:`~ec_frontend.engine.core_proc.StartupError` when the engine cannot load.
     ``opts.engine_mode`` picks the engine process (``multiprocess``; ``spawned``: an
@@ -268,8 +275,10 @@ def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]
             threads = engine_process_threads(len(os.sched_getaffinity(0)))
 
         level = log.getEffectiveLevel()
-        engine = MPEngineClient.start(config, cpu_threads=threads, log_level=level, spawned=spawned)
-        return engine, config.model_id, config.scheduler.max_model_len
+        client: EngineClient[Any] = MPEngineClient.start(
+            config, cpu_threads=threads, log_level=level, spawned=spawned
+        )
+        return client, config.model_id, config.scheduler.max_model_len
     import torch
 
     from ec_frontend.engine.async_engine import AsyncEngine
@@ -277,5 +286,5 @@ def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and threads is not None:
         torch.set_num_threads(threads)
-    engine = AsyncEngine.from_config(config)
+    engine: EngineClient[ProcessedInputs] = AsyncEngine.from_config(config)
     return engine, config.model_id, config.scheduler.max_model_len

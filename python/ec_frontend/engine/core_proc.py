@@ -62,6 +62,7 @@ from ec_frontend.errors import StartupError
 if TYPE_CHECKING:
     from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
+    from ec_frontend.engine.mock import MockEngineConfig
     from ec_frontend.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ _STARTUP_EXIT = 2
 class EngineSpec:
     """What the engine process needs to build its core (pickled to the child)."""
 
-    config: EngineConfig
+    config: EngineConfig | MockEngineConfig
     #: Torch threads on the CPU (``None``: torch's default).
     cpu_threads: int | None = None
     #: ``"real"``: the checkpoint ``config.model``; ``"mock"``: the mock model.
@@ -178,8 +179,9 @@ class EngineProcess:
             self.proc.wait()
             self._cleanup()
             raise StartupError(str(payload))
-        self.info = payload
-        return payload
+        info: dict[str, Any] = payload
+        self.info = info
+        return info
 
     @classmethod
     def start(
@@ -321,17 +323,23 @@ class _Served:
     @classmethod
     def build(cls, spec: EngineSpec) -> _Served:
         if spec.kind == "mock":
-            from ec_frontend.engine.mock import build_mock_core
+            from ec_frontend.engine.mock import MockEngineConfig, build_mock_core
 
+            if not isinstance(spec.config, MockEngineConfig):
+                raise TypeError(f"a mock engine takes a MockEngineConfig, not {spec.config!r}")
             return cls(build_mock_core(spec.config), spec)
+        from ec_frontend.config import EngineConfig
         from ec_frontend.engine.builder import build_core, load_plugins
 
+        config = spec.config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"a model engine takes an EngineConfig, not {config!r}")
         load_plugins()
         torch = _torch()
-        device = spec.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu" and spec.cpu_threads is not None:
             torch.set_num_threads(spec.cpu_threads)
-        core, loader = build_core(spec.config)
+        core, loader = build_core(config)
         return cls(core, spec, loader)
 
     def grammar(self, kind: str, text: str) -> Any:

@@ -78,7 +78,8 @@ class EncoderInputPlanner:
         rows = 0
         hits = 0
         end = start + num_new
-        consumer = self.ec_connector is not None and self.ec_connector.is_consumer
+        ec_connector = self.ec_connector
+        consumer = ec_connector is not None and ec_connector.is_consumer
         for i, feature in enumerate(request.mm_features):
             if feature.offset >= end:
                 break
@@ -89,7 +90,11 @@ class EncoderInputPlanner:
             if self.encoder_cache.check_and_update_cache(request, i):
                 hits += 1
                 continue
-            loadable = consumer and self.ec_connector.has_cache_item(feature.mm_hash, request)
+            loadable = (
+                consumer
+                and ec_connector is not None
+                and ec_connector.has_cache_item(feature.mm_hash, request)
+            )
             # An item larger than the whole budget runs alone rather than never.
             fits_budget = (
                 loadable or feature.length <= encoder_budget or encoder_budget == self.full_budget

@@ -21,12 +21,15 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
 from ec_frontend.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.sampling_params import SamplingParams
 
 #: Prompt characters that stand for one image in a mock chat prompt.
 IMAGE_PLACEHOLDER = "\ufffc"
@@ -209,6 +212,14 @@ class MockEngine:
         if request_id in self._running:
             self._aborted.add(request_id)
 
+    def holds_request(self, request_id: str) -> bool:
+        """In flight (the mock holds nothing for a connector after a request ends)."""
+        return request_id in self._running
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
     def shutdown(self) -> None:
         self._running.clear()
         self._refs.clear()
@@ -236,8 +247,8 @@ class MockEngine:
                 self._refs.pop(f.mm_hash, None)
 
     async def add_request(
-        self, request_id: str, inputs: MockInputs, params: Any
-    ) -> AsyncIterator[RequestOutput]:
+        self, request_id: str, inputs: MockInputs, params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield one delta per generated token; the last one has ``finished=True``.
 
         With no token latency the deltas come without yielding to the event loop.
@@ -253,7 +264,7 @@ class MockEngine:
             self._release(request_id, inputs)
 
     def _generate(
-        self, request_id: str, inputs: MockInputs, params: Any
+        self, request_id: str, inputs: MockInputs, params: SamplingParams
     ) -> Iterator[RequestOutput | None]:
         """The token loop; yields ``None`` where the caller should wait one token latency."""
         prompt = inputs.prompt_token_ids or [ord(" ")]
@@ -372,7 +383,9 @@ class MockModel:
     def kv_cache_spec(self) -> Any:
         from ec_frontend.model.interface import KVCacheSpec
 
-        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=_NoTensors())
+        # Sizing reads only the element size; the mock never allocates a tensor.
+        no_tensors = _NoTensors()
+        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=no_tensors)  # type: ignore[arg-type]
 
 
 class MockRunner:
@@ -466,7 +479,10 @@ def _mock_core_class() -> type:
 
         def __init__(self, config: Any, token_latency_s: float) -> None:
             self._token_latency_s = token_latency_s
-            super().__init__(config, MockModel(), eos_token_id=CharTokenizer.eos_token_id)
+            # The core itself reads only vocab_size, device and kv_cache_spec(); the rest
+            # of a VisionLanguageModel is the runner's, which MockRunner replaces.
+            model = MockModel()
+            super().__init__(config, model, eos_token_id=CharTokenizer.eos_token_id)  # type: ignore[arg-type]
             self._echo: dict[str, tuple[Any, Any]] = {}
 
         def _make_runner(self, *args: Any) -> Any:

@@ -61,7 +61,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from ec_frontend.config import EngineConfig
+    from ec_frontend.engine.mock import MockEngineConfig, MockInputs, MockProcessor
     from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +147,8 @@ class MPEngineClient:
         self,
         address: str,
         *,
-        config: EngineConfig | Any,
-        processor: Any,
+        config: EngineConfig | MockEngineConfig,
+        processor: InputProcessor | MockProcessor,
         client_index: int = 0,
         process: EngineProcess | None = None,
         detokenize: bool = True,
@@ -203,17 +205,18 @@ class MPEngineClient:
         kind, info = self._out_codec.decode(self._output.recv_multipart(copy=False))
         if kind != WELCOME:
             raise StartupError(f"unexpected first message from the engine: {kind!r}")
-        return info
+        welcome: dict[str, Any] = info
+        return welcome
 
     @classmethod
     def start(
         cls,
-        config: EngineConfig | Any,
+        config: EngineConfig | MockEngineConfig,
         *,
         cpu_threads: int | None = None,
         log_level: int = logging.WARNING,
         kind: str = "real",
-        processor: Any = None,
+        processor: InputProcessor | MockProcessor | None = None,
         spawned: EngineProcess | None = None,
     ) -> MPEngineClient:
         """Start an engine process for ``config`` (or give ``spawned``, an
@@ -232,7 +235,9 @@ class MPEngineClient:
 
     # ---- the AsyncEngine interface ----------------------------------------------
 
-    def add_request(self, request_id: str, inputs: Any, params: SamplingParams) -> RequestStream:
+    def add_request(
+        self, request_id: str, inputs: ProcessedInputs | MockInputs, params: SamplingParams
+    ) -> RequestStream:
         """Submit a request; iterate the result for its deltas (from a running loop)."""
         loop = asyncio.get_running_loop()
         prompt = inputs.prompt_token_ids
@@ -247,7 +252,7 @@ class MPEngineClient:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._requests[request_id] = _ClientRequest(sink, prompt, detok)
         self._send((ADD, request_id, pack_dataclass(inputs), pack_params(params)))
-        return RequestStream(self, request_id, sink)  # type: ignore[arg-type]
+        return RequestStream(self, request_id, sink)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason="abort"``."""
@@ -401,7 +406,9 @@ class MPEngineClient:
             return held
         logprobs = None
         if lps is not None:
-            logprobs = [TokenLogprob(t, lp, r, [tuple(x) for x in top]) for t, lp, r, top in lps]
+            logprobs = [
+                TokenLogprob(t, lp, r, [(tid, p) for tid, p in top]) for t, lp, r, top in lps
+            ]
         text = ""
         detok = state.detokenizer
         if detok is not None:
@@ -423,13 +430,19 @@ class MPEngineClient:
         )  # fmt: skip
 
 
-def _load_processor(config: Any, kind: str) -> Any:
+def _load_processor(
+    config: EngineConfig | MockEngineConfig, kind: str
+) -> InputProcessor | MockProcessor:
     if kind == "mock":
         from ec_frontend.engine.mock import MockProcessor
 
         return MockProcessor()
+    from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.model.loader import load_processor
+
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"a model engine takes an EngineConfig, not {config!r}")
 
     path, model_id = EngineCore.checkpoint(config)
     return load_processor(path, model_id=config.model_id or model_id)

@@ -27,6 +27,7 @@ import zmq
 
 if TYPE_CHECKING:
     from ec_frontend.engine.outputs import RequestOutput
+    from ec_frontend.types import JSONObject
 
 PROTOCOL_VERSION = 1
 
@@ -214,10 +215,15 @@ def pack_output(out: RequestOutput, request_id: str) -> EngineOutput:
         out.stop_reason,
         logprobs,
         out.num_cached_tokens,
-        out.kv_transfer_params,
-        out.ec_transfer_params,
+        _wire_dict(out.kv_transfer_params),
+        _wire_dict(out.ec_transfer_params),
         out.error,
     )
+
+
+def _wire_dict(params: JSONObject | None) -> dict[str, Any] | None:
+    """Transfer params as msgspec encodes them: a dict (they are one already)."""
+    return params if params is None or isinstance(params, dict) else dict(params)
 
 
 def outputs_decoder() -> msgspec.msgpack.Decoder[EngineOutputs]:
