@@ -60,7 +60,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -135,7 +135,7 @@ def _settings(config: ECTransferConfig) -> Settings:
     )
 
 
-def parse_peer(entry: Any, settings: Settings) -> Peer | None:
+def parse_peer(entry: object, settings: Settings) -> Peer | None:
     """The peer named by one ``ec_transfer_params`` entry, or ``None`` when it names none
     usable (missing or mistyped keys, a size over ``max_item_bytes``). Whether the
     entry may be trusted is :func:`check_entry`'s question."""
@@ -214,7 +214,7 @@ class ECSideChannelConnector(ECConnectorBase):
         for mm_hash in sorted(hashes & params.keys()):
             entry = params[mm_hash]
             peer = parse_peer(entry, self.settings)
-            if peer is None:
+            if peer is None or not isinstance(entry, dict):
                 self._reject(request, mm_hash, "malformed entry")
                 continue
             reason = check_entry(self.trust, "ec", mm_hash, entry, peer.host, peer.port)

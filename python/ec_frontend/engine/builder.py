@@ -20,9 +20,12 @@ from ec_frontend.config import (
 from ec_frontend.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ec_frontend.engine.client import EngineClient
+    from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.core_proc import EngineProcess
-    from ec_frontend.model.processor import ProcessedInputs
+    from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 
 
 class EngineArgs(Protocol):
@@ -231,7 +234,7 @@ def _builtin_id() -> str:
     return BUILTIN_MODEL_ID
 
 
-def build_core(config: EngineConfig) -> tuple[Any, Any]:
+def build_core(config: EngineConfig) -> tuple[EngineCore, Callable[[], InputProcessor]]:
     """In the engine process: ``(EngineCore, processor loader)``. The core gets no
     tokenizer (its clients detokenize); the loader builds the input processor on
     first use (a structured-output grammar needs the tokenizer)."""
@@ -240,9 +243,9 @@ def build_core(config: EngineConfig) -> tuple[Any, Any]:
 
     path, model_id = EngineCore.checkpoint(config)
     model = EngineCore.load_model(config, path)
-    loaded: list[Any] = []
+    loaded: list[InputProcessor] = []
 
-    def processor() -> Any:
+    def processor() -> InputProcessor:
         if not loaded:
             loaded.append(load_processor(path, model_id=config.model_id or model_id))
         return loaded[0]

@@ -60,10 +60,16 @@ from ec_frontend.engine.wire import (
 from ec_frontend.errors import StartupError
 
 if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
     from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.engine.mock import MockEngineConfig
     from ec_frontend.engine.outputs import RequestOutput
+    from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.engine.stats import EngineStats
+    from ec_frontend.engine.structured_output import CompiledGrammar
+    from ec_frontend.model.processor import InputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +228,7 @@ class EngineProcess:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _dumps(obj: Any) -> bytes:
+def _dumps(obj: object) -> bytes:
     """Pickle with read-only mappings (frozen configs hold them) as plain dicts inside."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -301,11 +307,11 @@ def main() -> None:
     os._exit(0)
 
 
-def _raise_exit(signum: int, frame: Any) -> None:
+def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _report(fd: int, message: Any) -> None:
+def _report(fd: int, message: object) -> None:
     with os.fdopen(fd, "wb", closefd=True) as pipe:
         pipe.write(msgspec.msgpack.encode(message))
 
@@ -316,9 +322,9 @@ class _Served:
 
     core: EngineCore
     spec: EngineSpec
-    processor_loader: Callable[[], Any] | None = None
-    _grammar_tokenizer: Any = None
-    _grammars: dict[tuple[str, str], Any] = field(default_factory=dict)
+    processor_loader: Callable[[], InputProcessor] | None = None
+    _grammar_tokenizer: LLTokenizer | None = None
+    _grammars: dict[tuple[str, str], CompiledGrammar] = field(default_factory=dict)
 
     @classmethod
     def build(cls, spec: EngineSpec) -> _Served:
@@ -342,7 +348,7 @@ class _Served:
         core, loader = build_core(config)
         return cls(core, spec, loader)
 
-    def grammar(self, kind: str, text: str) -> Any:
+    def grammar(self, kind: str, text: str) -> CompiledGrammar:
         """The engine's compiled grammar for a frontend-validated one (cached)."""
         key = (kind, text)
         hit = self._grammars.get(key)
@@ -502,6 +508,7 @@ class EngineServer:
         self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
 
     def _inputs(self, data: dict[str, Any]) -> Any:
+        """``ProcessedInputs``, or what a mock core builds in their place (duck-typed)."""
         builder = getattr(self.core, "build_inputs", None)
         if builder is not None:
             return builder(data)
@@ -513,7 +520,7 @@ class EngineServer:
         ]
         return ProcessedInputs(**kwargs)
 
-    def _params(self, data: dict[str, Any]) -> Any:
+    def _params(self, data: dict[str, Any]) -> SamplingParams:
         from ec_frontend.engine.sampling_params import SamplingParams
 
         kwargs = unpack_fields(data)
@@ -563,11 +570,11 @@ class EngineServer:
             self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
 
 
-def _stats_values(stats: Any) -> list[Any]:
+def _stats_values(stats: EngineStats) -> list[int | float]:
     return [getattr(stats, f.name) for f in dataclasses.fields(stats)]
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if isinstance(value, tuple | list | frozenset | set):
         return list(value)
     return value

@@ -11,15 +11,16 @@ reserves the space once the scheduler has admitted the chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.base import ECConnectorBase
     from ec_frontend.engine.encoder_cache import EncoderCacheManager
     from ec_frontend.engine.request import Request
+    from ec_frontend.model.processor import MultiModalFeature
 
 
-def decode_deferred_image(feature: Any) -> bool:
+def decode_deferred_image(feature: MultiModalFeature) -> bool:
     """Pixels for an image the processor deferred (it expected a cache hit)."""
     if getattr(feature, "deferred", None) is None:
         return False
@@ -28,7 +29,7 @@ def decode_deferred_image(feature: Any) -> bool:
     return decode_deferred(feature)
 
 
-def no_source(feature: Any) -> str:
+def no_source(feature: MultiModalFeature) -> str:
     """Why a media item with no pixel values cannot be encoded here."""
     if getattr(feature, "deferred", None) is not None:
         return f"media item {feature.mm_hash} could not be decoded again for its encoder"

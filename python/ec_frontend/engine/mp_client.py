@@ -81,7 +81,9 @@ class StreamDetokenizer(IncrementalDetokenizer):
     class's. Tokens that end inside a multi-byte character wait for the next one;
     when the request ends with them, they are decoded as they are."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         super().__init__(tokenizer, prompt_token_ids, params)
@@ -122,7 +124,7 @@ class StreamDetokenizer(IncrementalDetokenizer):
 
 
 def make_detokenizer(
-    tokenizer: Any, prompt_token_ids: Sequence[int], params: Any
+    tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
 ) -> IncrementalDetokenizer:
     """The streaming detokenizer for a fast Hugging Face tokenizer, else the window one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -302,7 +304,7 @@ class MPEngineClient:
 
     # ---- sending ------------------------------------------------------------------
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: object) -> None:
         with self._send_lock:
             frames = self._codec.encode(message)
             self._input.send_multipart(frames, copy=False)
