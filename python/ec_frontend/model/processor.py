@@ -584,7 +584,7 @@ def _generate_features(
     return out
 
 
-def _placeholder(place: Any, i: int) -> tuple[int, int]:
+def _placeholder(place: object, i: int) -> tuple[int, int]:
     if isinstance(place, Mapping):
         offset, length = place.get("offset"), place.get("length")
         if _is_int(offset) and _is_int(length) and offset >= 0 and length > 0:
@@ -595,7 +595,7 @@ def _placeholder(place: Any, i: int) -> tuple[int, int]:
     )
 
 
-def _grid(grid: Any, i: int, merge: int) -> tuple[int, int, int]:
+def _grid(grid: object, i: int, merge: int) -> tuple[int, int, int]:
     if isinstance(grid, Sequence) and len(grid) == 3 and all(_is_int(v) and v > 0 for v in grid):
         t, h, w = grid
         if h % merge == 0 and w % merge == 0:

@@ -15,7 +15,7 @@ memory stay those of the separate layers. Q and K are rotated together.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from ec_frontend.model.paged_attention import (
     paged_attention,
     write_kv,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -103,7 +106,7 @@ class TextModelConfig:
             )
 
 
-def qwen2_text_config(config: Any) -> TextModelConfig:
+def qwen2_text_config(config: PretrainedConfig) -> TextModelConfig:
     """The language-model shape of a Qwen2-VL style checkpoint config (its
     ``text_config``: a Qwen2 decoder with M-RoPE); :class:`ModelLoadError` for a
     shape this decoder does not run."""
@@ -123,7 +126,7 @@ def qwen2_text_config(config: Any) -> TextModelConfig:
 
 
 def decoder_config(
-    config: Any,
+    config: PretrainedConfig,
     *,
     rope_theta: float,
     mrope_section: tuple[int, int, int],

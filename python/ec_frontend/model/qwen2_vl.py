@@ -12,7 +12,7 @@ raises :class:`ComponentNotLoadedError`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from torch import nn
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel
 from ec_frontend.model.qwen2_text import Qwen2TextModel, TextShape, qwen2_text_config
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: Checkpoint name prefixes of Qwen-VL families: the Hub layout (``visual.*``,
 #: ``model.layers.*``) and the layout of ``transformers`` 5 (``model.visual.*``,
@@ -33,7 +36,7 @@ QWEN_VL_WEIGHT_PREFIXES = (
 )
 
 
-def qwen_mrope_positions(config: Any) -> PositionSpec:
+def qwen_mrope_positions(config: PretrainedConfig) -> PositionSpec:
     """Contiguous M-RoPE sections of a Qwen-VL text config."""
     return PositionSpec("mrope", qwen2_text_config(config).mrope_section)
 

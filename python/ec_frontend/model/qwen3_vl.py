@@ -22,7 +22,7 @@ states as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from ec_frontend.model.paged_attention import PagedLayout, build_layout, paged_a
 from ec_frontend.model.qwen2_text import Qwen2TextModel, RMSNorm, rotate
 from ec_frontend.model.qwen2_vl import QWEN_VL_WEIGHT_PREFIXES, Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -73,7 +76,7 @@ class Qwen3TextConfig:
             )
 
 
-def qwen3_text_config(config: Any) -> Qwen3TextConfig:
+def qwen3_text_config(config: PretrainedConfig) -> Qwen3TextConfig:
     """The decoder shape of a Qwen3-VL config; :class:`ModelLoadError` for what it cannot run."""
     text, vision = config.text_config, config.vision_config
     rope = dict(text.rope_parameters or {})
@@ -206,7 +209,7 @@ class Qwen3VLModel(Qwen2VLModel):
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
 
-def positions(config: Any) -> PositionSpec:
+def positions(config: PretrainedConfig) -> PositionSpec:
     return PositionSpec("mrope", qwen3_text_config(config).mrope_section, interleaved=True)
 
 
