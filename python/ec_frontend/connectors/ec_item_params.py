@@ -17,7 +17,7 @@ their own transfer fields (before signing, so a signature covers them).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.types import JSONObject
 
@@ -45,7 +45,7 @@ def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, JSONObject]:
     return items
 
 
-def ec_items_problem(params: Any, max_items: int) -> str | None:
+def ec_items_problem(params: object, max_items: int) -> str | None:
     """Why a request's ``ec_transfer_params.ec_items`` cannot be accepted (``None``: it
     is absent or well formed).
 

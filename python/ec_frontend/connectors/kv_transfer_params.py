@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY, valid_token
 from ec_frontend.types import JSONObject
@@ -43,7 +43,7 @@ class RemotePrefill:
     token: str
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

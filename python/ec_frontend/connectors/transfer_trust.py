@@ -33,7 +33,7 @@ import re
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
 import orjson
 
@@ -175,7 +175,7 @@ def check_entry(
     return reason
 
 
-def loggable(value: Any, limit: int = 64) -> str:
+def loggable(value: object, limit: int = 64) -> str:
     """A client-supplied value for a log line: printable ASCII, cut to ``limit``."""
     text = value if isinstance(value, str) else repr(value)
     text = "".join(c if " " <= c <= "~" else "?" for c in text[: limit + 1])
