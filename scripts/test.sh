@@ -12,6 +12,10 @@ ruff check .
 ruff format --check .
 # The package's floors import only downward (contract: [tool.importlinter] in pyproject.toml).
 PYTHONPATH=python lint-imports --no-cache
+# Types: mypy (config in pyproject.toml; strict on the engine, connectors and model) and
+# the native module's stub checked against the built module.
+mypy
+PYTHONPATH=python python -m mypy.stubtest ec_frontend._core --allowlist scripts/stubtest_allowlist.txt
 
 echo "== cargo test"
 cargo test --workspace --locked --quiet

@@ -9,7 +9,30 @@ or more is parsed (a smaller one parses in microseconds, less than a GIL hand-of
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, final
+
+from typing_extensions import Self
+
+__all__ = [
+    "ClipPreprocessor",
+    "ImageError",
+    "Limits",
+    "MediaItem",
+    "ParsedRequest",
+    "PixelBuffer",
+    "QwenVlPreprocessor",
+    "RequestError",
+    "__version__",
+    "compute_mm_hash",
+    "decode_data_url",
+    "decode_rgb",
+    "hash_for_uuid",
+    "is_valid_mm_hash",
+    "merge_ec_transfer_params",
+    "merge_kv_transfer_params",
+    "parse_request",
+    "probe_image",
+]
 
 Endpoint = Literal["chat", "completions", "responses", "generate"]
 
@@ -29,6 +52,7 @@ class RequestError(ValueError):
     message: str
     code: str
 
+@final
 class Limits:
     """Bounds applied while parsing. All sizes are in bytes.
 
@@ -38,8 +62,8 @@ class Limits:
     prompt token ids together. An integer literal may have at most 4300 digits.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         max_body_bytes: int = 64 * 1024 * 1024,
         max_depth: int = 64,
@@ -48,7 +72,7 @@ class Limits:
         max_string_bytes: int = 16 * 1024 * 1024,
         max_media_bytes: int = 32 * 1024 * 1024,
         max_token_ids: int = 1_048_576,
-    ) -> None: ...
+    ) -> Self: ...
     max_body_bytes: int
     max_depth: int
     max_messages: int
@@ -57,6 +81,7 @@ class Limits:
     max_media_bytes: int
     max_token_ids: int
 
+@final
 class MediaItem:
     """One media item of a request, in order of appearance."""
 
@@ -99,6 +124,7 @@ class MediaItem:
         keyed by the hash of its ``uuid``); ``None`` for an image with bytes or a URL."""
     def __len__(self) -> int: ...
 
+@final
 class ParsedRequest:
     """A validated request, normalized across the four endpoints."""
 
@@ -297,6 +323,7 @@ class ImageError(ValueError):
     code: str
     """``"invalid_image"`` or ``"image_too_large"``."""
 
+@final
 class PixelBuffer:
     """Float32 pixel values of one image through the buffer protocol (1-D, format ``"f"``,
     writable): ``numpy.frombuffer(buf, dtype=numpy.float32)`` and ``torch.frombuffer``
@@ -304,14 +331,16 @@ class PixelBuffer:
 
     def __len__(self) -> int:
         """Number of float32 values."""
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class QwenVlPreprocessor:
     """transformers' Qwen2-VL image processor (PIL backend) in Rust: decode (PNG, JPEG,
     WebP, GIF first frame, BMP), RGB (transparency over white), ``smart_resize``, Pillow's
     resampling, rescale, normalize, patchify. Equal to transformers' output."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         min_pixels: int,
         max_pixels: int,
@@ -324,7 +353,7 @@ class QwenVlPreprocessor:
         resample: int = 3,
         formats: list[str] | None = None,
         max_image_pixels: int = 64_000_000,
-    ) -> None:
+    ) -> Self:
         """``resample`` is Pillow's number (2 bilinear, 3 bicubic); ``formats`` Pillow's
         names of the decoders allowed (default all five); images over
         ``max_image_pixels`` (from the header) are refused before decoding. Raises
@@ -351,14 +380,15 @@ class QwenVlPreprocessor:
         released throughout; the images are processed in parallel. Raises
         :class:`ImageError` for the first failing image (by position)."""
 
+@final
 class ClipPreprocessor:
     """transformers' CLIP image processor (PIL backend) in Rust, for CLIP-tower families
     (LLaVA-1.5): decode and RGB as :class:`QwenVlPreprocessor`, the shortest edge resized
     to ``shortest_edge`` with Pillow's resampling, a centre crop, rescale, normalize,
     channel-first. Equal to transformers' output."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         shortest_edge: int,
         crop_height: int,
@@ -369,7 +399,7 @@ class ClipPreprocessor:
         resample: int = 3,
         formats: list[str] | None = None,
         max_image_pixels: int = 64_000_000,
-    ) -> None:
+    ) -> Self:
         """As :class:`QwenVlPreprocessor`; a crop larger than ``shortest_edge`` (which
         transformers pads) raises ``ValueError``."""
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "ec_frontend"
@@ -58,7 +58,9 @@ def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tree = tmp_path_factory.mktemp("layers")
-    shutil.copytree(PACKAGE, tree / "ec_frontend", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(
+        PACKAGE, tree / "ec_frontend", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
     return tree
 
 
@@ -114,7 +116,9 @@ UPWARD = [
     # A type-only import counts too unless the contract lists it.
     (
         "model/loader.py",
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ec_frontend.engine import scheduler",
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from ec_frontend.engine import scheduler",
         "ec_frontend.model.loader -> ec_frontend.engine.scheduler",
     ),
 ]

@@ -16,9 +16,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.connectors.halves import ConnectorHalf
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,7 @@ class ECConnectorBase(ConnectorHalf, ABC):
         """Metadata for the step being scheduled; resets the pending loads."""
 
     @abstractmethod
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, JSONObject | None]:
         """``(delay_free, ec_transfer_params)`` for a finished request.
 
         ``delay_free`` True keeps the request's encoder outputs referenced until

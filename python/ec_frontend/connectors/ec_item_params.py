@@ -17,7 +17,9 @@ their own transfer fields (before signing, so a signature covers them).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.model.processor import MultiModalFeature
@@ -25,23 +27,25 @@ if TYPE_CHECKING:
 IMAGE = "image"
 
 
-def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, dict[str, Any]]:
+def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, JSONObject]:
     """``{mm_hash: {"modality", "item_indices", "metadata"}}`` for ``features``."""
-    items: dict[str, dict[str, Any]] = {}
+    items: dict[str, JSONObject] = {}
+    indices: dict[str, list[int]] = {}
     for index, feature in enumerate(features):
-        entry = items.get(feature.mm_hash)
-        if entry is None:
+        known = indices.get(feature.mm_hash)
+        if known is None:
+            indices[feature.mm_hash] = known = [index]
             items[feature.mm_hash] = {
                 "modality": IMAGE,
-                "item_indices": [index],
+                "item_indices": known,
                 "metadata": {"image_grid_thw": list(feature.image_grid_thw)},
             }
         else:
-            entry["item_indices"].append(index)
+            known.append(index)
     return items
 
 
-def ec_items_problem(params: Any, max_items: int) -> str | None:
+def ec_items_problem(params: object, max_items: int) -> str | None:
     """Why a request's ``ec_transfer_params.ec_items`` cannot be accepted (``None``: it
     is absent or well formed).
 

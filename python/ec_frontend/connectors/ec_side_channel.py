@@ -55,11 +55,12 @@ are refused at both ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -77,7 +78,7 @@ from ec_frontend.connectors.side_channel_wire import (
     env_setting,
     request_header,
     request_tensor,
-    tensor_nbytes,
+    tensor_layout,
 )
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import (
@@ -87,6 +88,7 @@ from ec_frontend.connectors.transfer_trust import (
     signed,
     valid_token,
 )
+from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import ECTransferConfig
@@ -133,7 +135,7 @@ def _settings(config: ECTransferConfig) -> Settings:
     )
 
 
-def parse_peer(entry: Any, settings: Settings) -> Peer | None:
+def parse_peer(entry: object, settings: Settings) -> Peer | None:
     """The peer named by one ``ec_transfer_params`` entry, or ``None`` when it names none
     usable (missing or mistyped keys, a size over ``max_item_bytes``). Whether the
     entry may be trusted is :func:`check_entry`'s question."""
@@ -146,9 +148,8 @@ def parse_peer(entry: Any, settings: Settings) -> Peer | None:
         return None
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         return None
-    dtype, shape = entry.get("dtype"), entry.get("shape")
     try:
-        nbytes = tensor_nbytes(dtype, shape)
+        dtype, shape, nbytes = tensor_layout(entry.get("dtype"), entry.get("shape"))
     except WireError:
         return None
     if shape[0] != num_tokens or len(shape) != 2 or nbytes > settings.max_item_bytes:
@@ -213,7 +214,7 @@ class ECSideChannelConnector(ECConnectorBase):
         for mm_hash in sorted(hashes & params.keys()):
             entry = params[mm_hash]
             peer = parse_peer(entry, self.settings)
-            if peer is None:
+            if peer is None or not isinstance(entry, dict):
                 self._reject(request, mm_hash, "malformed entry")
                 continue
             reason = check_entry(self.trust, "ec", mm_hash, entry, peer.host, peer.port)
@@ -250,7 +251,7 @@ class ECSideChannelConnector(ECConnectorBase):
                 continue
             spec = ECLoadSpec(feature.mm_hash, feature.length, rid)
             future = staging.attach(
-                spec.mm_hash, rid, lambda s=spec, p=peer: self._executor().submit(self._pull, s, p)
+                spec.mm_hash, rid, functools.partial(self._start_pull, spec, peer)
             )
             fetched.add(spec.mm_hash)
             ready = ready and future.done()
@@ -270,14 +271,14 @@ class ECSideChannelConnector(ECConnectorBase):
         self._pending, self._peers = [], {}
         return meta
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, JSONObject | None]:
         if self.is_consumer:
             self._release_unused(request)
         self._trusted.pop(request.request_id, None)
         store = self.store
         if store is None or request.status.finish_reason in ("error", "abort"):
             return False, None
-        params: dict[str, Any] = {}
+        params: JSONDict = {}
         fields = item_fields(request.mm_features)
         for feature in request.mm_features:
             mm_hash = feature.mm_hash
@@ -328,6 +329,9 @@ class ECSideChannelConnector(ECConnectorBase):
             )
         except WireError as exc:
             logger.info("EC release of %s at %s:%d failed: %s", mm_hash, peer.host, peer.port, exc)
+
+    def _start_pull(self, spec: ECLoadSpec, peer: Peer) -> Future[torch.Tensor | None]:
+        return self._executor().submit(self._pull, spec, peer)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ec_frontend._core import is_valid_mm_hash
-from ec_frontend.config import ConfigError
 from ec_frontend.connectors.side_channel_wire import SideChannelServer, tensor_payload
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY, new_token, valid_token
+from ec_frontend.errors import ConfigError
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import ECTransferConfig
@@ -110,7 +111,7 @@ class ItemStore:
             self._expire()
             return len(self.items)
 
-    def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes | None, Any]:
+    def _handle(self, request: JSONObject) -> tuple[JSONObject, bytes | None, Any]:
         """``get_ec`` sends an item (then frees it); ``release`` frees it unsent. Both
         need the item's token: an unknown item and a wrong token look the same."""
         mm_hash, op, token = request.get("mm_hash"), request.get("op"), request.get(TOKEN_KEY)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ec_frontend.config import ConfigError
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
+from ec_frontend.connectors.halves import ConnectorHalf
 from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorRole
+from ec_frontend.errors import ConfigError
 
 if TYPE_CHECKING:
     from ec_frontend.config import ECTransferConfig, KVTransferConfig
@@ -107,19 +108,29 @@ def create_kv_connector(config: KVTransferConfig, role: KVConnectorRole) -> KVCo
     return _kv_class(config)(config, role)
 
 
-def _halves(cls: type, config: Any, roles: tuple[Any, Any]) -> tuple[Any, Any]:
+def _shared(
+    cls: type[ConnectorHalf], config: ECTransferConfig | KVTransferConfig
+) -> dict[str, Any]:
+    """The keyword argument giving both halves one state object (none if the class has none)."""
     shared = cls.create_shared(config)
-    extra = {} if shared is None else {"shared": shared}
-    return cls(config, roles[0], **extra), cls(config, roles[1], **extra)
+    return {} if shared is None else {"shared": shared}
 
 
 def create_ec_connectors(config: ECTransferConfig) -> tuple[ECConnectorBase, ECConnectorBase]:
     """``(scheduler half, worker half)`` of one engine, sharing one state object."""
-    roles = (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER)
-    return _halves(_ec_class(config), config, roles)
+    cls = _ec_class(config)
+    extra = _shared(cls, config)
+    return (
+        cls(config, ECConnectorRole.SCHEDULER, **extra),
+        cls(config, ECConnectorRole.WORKER, **extra),
+    )
 
 
 def create_kv_connectors(config: KVTransferConfig) -> tuple[KVConnectorBase, KVConnectorBase]:
     """``(scheduler half, worker half)`` of one engine, sharing one state object."""
-    roles = (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
-    return _halves(_kv_class(config), config, roles)
+    cls = _kv_class(config)
+    extra = _shared(cls, config)
+    return (
+        cls(config, KVConnectorRole.SCHEDULER, **extra),
+        cls(config, KVConnectorRole.WORKER, **extra),
+    )

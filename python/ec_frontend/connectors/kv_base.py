@@ -10,9 +10,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.connectors.halves import ConnectorHalf
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +86,7 @@ class KVConnectorBase(ConnectorHalf, ABC):
     @abstractmethod
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, JSONObject | None]:
         """``(delay_free, kv_transfer_params)``. With ``delay_free`` the blocks stay
         allocated until :meth:`get_finished` reports the request as sent."""
 

@@ -35,7 +35,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ec_frontend.connectors.kv_base import (
     KVConnectorBase,
@@ -55,6 +55,7 @@ from ec_frontend.connectors.transfer_trust import (
     new_token,
     signed,
 )
+from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +92,11 @@ class PullMetadata(KVConnectorMetadata):
     loads: list[Any] = field(default_factory=list)
 
 
-class PullState:
+#: A transport's hold (what prefill keeps per request until decode has read it).
+HoldT = TypeVar("HoldT", bound=Hold)
+
+
+class PullState(Generic[HoldT]):
     """What both halves of one engine share (one object, passed to each by the factory).
 
     Holds, finished sends and transfers in flight are read and written by the engine
@@ -104,7 +109,7 @@ class PullState:
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         self.kv_caches: list[torch.Tensor] | None = None
-        self.holds: dict[str, Any] = {}
+        self.holds: dict[str, HoldT] = {}
         self.sent: set[str] = set()
         self.tokens_sent = 0
         self.inflight: dict[str, tuple[Future[Any], Any]] = {}
@@ -145,10 +150,14 @@ class KVPullConnector(KVConnectorBase):
     thread_name = "kv-pull"
 
     def __init__(
-        self, config: KVTransferConfig, role: KVConnectorRole, shared: PullState | None = None
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        shared: PullState[Any] | None = None,
     ) -> None:
         super().__init__(config, role)
-        self.state: PullState = shared if shared is not None else self.create_shared(config)
+        # Any: each transport's state holds its own kind of hold (subclasses narrow it).
+        self.state: PullState[Any] = shared if shared is not None else self.create_shared(config)
         self._remote: dict[str, RemotePrefill] = {}
         self._extra: dict[str, Any] = {}
         self._loads: list[Any] = []
@@ -159,7 +168,7 @@ class KVPullConnector(KVConnectorBase):
 
     # ---- what a transport provides --------------------------------------
 
-    def check_params(self, params: dict[str, Any], remote: RemotePrefill) -> Any:
+    def check_params(self, params: JSONObject, remote: RemotePrefill) -> Any:
         """Decode: what else the transport needs from ``params`` (kept with the load),
         or a string saying why they cannot be used. Default: nothing more."""
         return None
@@ -167,9 +176,7 @@ class KVPullConnector(KVConnectorBase):
     def make_load(self, rid: str, block_ids: list[int], remote: RemotePrefill, extra: Any) -> Any:
         return PullLoad(rid, block_ids, remote)
 
-    def hold_params(
-        self, request: Request, block_ids: list[int], token: str
-    ) -> dict[str, Any] | None:
+    def hold_params(self, request: Request, block_ids: list[int], token: str) -> JSONDict | None:
         """Prefill: hold ``block_ids`` for ``request`` (under ``token``) and return the
         transport's params (``remote_host``, ``remote_port``, ...), or ``None`` when it
         cannot hold them."""
@@ -249,7 +256,7 @@ class KVPullConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
         state = self.state
         if self._remote.pop(rid, None) is not None:

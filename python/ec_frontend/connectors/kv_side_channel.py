@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ec_frontend.config import ConfigError
 from ec_frontend.connectors.kv_pull import Hold, KVPullConnector, PullLoad, PullState
 from ec_frontend.connectors.kv_transfer_params import RemotePrefill
 from ec_frontend.connectors.side_channel_wire import (
@@ -55,6 +54,8 @@ from ec_frontend.connectors.side_channel_wire import (
 )
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY, valid_token
+from ec_frontend.errors import ConfigError
+from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import KVTransferConfig
@@ -69,7 +70,7 @@ _PORT_ENV = ("KV_SIDE_CHANNEL_PORT", "VLLM_KV_SIDE_CHANNEL_PORT")
 _Load = PullLoad
 
 
-class _State(PullState):
+class _State(PullState[Hold]):
     """Both halves' shared state, and the server that sends held KV (prefill)."""
 
     def __init__(self, config: KVTransferConfig, settings: Settings) -> None:
@@ -91,7 +92,7 @@ class _State(PullState):
                     "kv_connector_extra_config.port",
                 ) from None
 
-    def _handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes, Any]:
+    def _handle(self, request: JSONObject) -> tuple[JSONObject, bytes, Any]:
         """A server thread: send a held request's KV to the pull that has its token."""
         rid, token = request.get("remote_request_id"), request.get(TOKEN_KEY)
         if request.get("op") != "get_kv" or not isinstance(rid, str) or not valid_token(token):
@@ -150,9 +151,7 @@ class KVSideChannelConnector(KVPullConnector):
     def make_load(self, rid: str, block_ids: list[int], remote: RemotePrefill, extra: Any) -> _Load:
         return _Load(rid, block_ids, remote)
 
-    def hold_params(
-        self, request: Request, block_ids: list[int], token: str
-    ) -> dict[str, Any] | None:
+    def hold_params(self, request: Request, block_ids: list[int], token: str) -> JSONDict | None:
         state = self.state
         if state.server is None:
             return None

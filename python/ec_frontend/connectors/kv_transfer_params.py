@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.connectors.transfer_trust import TOKEN_KEY, valid_token
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.engine.request import Request
@@ -42,18 +43,19 @@ class RemotePrefill:
     token: str
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def parse_remote_prefill(params: dict[str, Any], request: Request) -> RemotePrefill | str:
+def parse_remote_prefill(params: JSONObject, request: Request) -> RemotePrefill | str:
     """The remote prefill ``params`` describe, or why they cannot be used for ``request``."""
     host, port = params.get("remote_host"), _int(params.get("remote_port"))
     engine_id, rid = params.get("remote_engine_id"), params.get("remote_request_id")
     blocks, num_tokens = params.get("remote_block_ids"), _int(params.get("remote_num_tokens"))
     first, delta = _int(params.get("first_token_id")), _int(params.get("mrope_position_delta", 0))
-    bad_host = not isinstance(host, str) or not host or len(host) > 255
-    if bad_host or port is None or not 0 < port < 65536:
+    if not isinstance(host, str) or not host or len(host) > 255:
+        return "remote_host / remote_port missing or invalid"
+    if port is None or not 0 < port < 65536:
         return "remote_host / remote_port missing or invalid"
     if not isinstance(engine_id, str) or not isinstance(rid, str) or not rid:
         return "remote_engine_id / remote_request_id missing or invalid"

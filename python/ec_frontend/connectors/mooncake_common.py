@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ec_frontend.config import ConfigError
+from ec_frontend.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(gb|mb|kb|b)?\s*$", re.IGNORECA
 _UNITS = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
 
 
-def parse_size(value: Any, name: str) -> int:
+def parse_size(value: object, name: str) -> int:
     """A byte count: an integer or a string with a unit (``"512MB"``), as vLLM reads them."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value

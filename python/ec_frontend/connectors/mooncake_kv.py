@@ -46,14 +46,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ec_frontend.config import ConfigError
 from ec_frontend.connectors.kv_pull import Hold, KVPullConnector, PullLoad, PullState
 from ec_frontend.connectors.kv_transfer_params import RemotePrefill
 from ec_frontend.connectors.mooncake_common import import_mooncake, positive_float
+from ec_frontend.errors import ConfigError
+from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import KVTransferConfig
@@ -81,11 +82,11 @@ class RemoteLayout:
     block_ids: tuple[int, ...]
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def parse_layout(params: dict[str, Any]) -> RemoteLayout | str:
+def parse_layout(params: JSONObject) -> RemoteLayout | str:
     addrs = params.get("remote_kv_addrs")
     num_blocks = _int(params.get("remote_num_blocks"))
     block_bytes = _int(params.get("remote_block_bytes"))
@@ -145,7 +146,7 @@ def read_plan(
     return dst, src, lengths
 
 
-class _State(PullState):
+class _State(PullState[_Hold]):
     """One Transfer Engine per engine, shared by both connector halves."""
 
     def __init__(self, config: KVTransferConfig) -> None:
@@ -236,7 +237,7 @@ class MooncakeConnector(KVPullConnector):
 
     # ---- the transport ----------------------------------------------------
 
-    def check_params(self, params: dict[str, Any], remote: RemotePrefill) -> RemoteLayout | str:
+    def check_params(self, params: JSONObject, remote: RemotePrefill) -> RemoteLayout | str:
         layout = parse_layout(params)
         refuse_unsigned = self.config.trust.secret is None and not self.state.unsigned
         if not isinstance(layout, str) and refuse_unsigned:
@@ -248,9 +249,7 @@ class MooncakeConnector(KVPullConnector):
     ) -> _Load:
         return _Load(rid, block_ids, remote, extra)
 
-    def hold_params(
-        self, request: Request, block_ids: list[int], token: str
-    ) -> dict[str, Any] | None:
+    def hold_params(self, request: Request, block_ids: list[int], token: str) -> JSONDict | None:
         state, rid = self.state, request.request_id
         with state.lock:
             caches = state.kv_caches
@@ -279,6 +278,8 @@ class MooncakeConnector(KVPullConnector):
 
     def transfer(self, load: _Load, kv_caches: list[torch.Tensor]) -> None:
         state, layout = self.state, load.layout
+        if layout is None:  # never: make_load gives every load its layout
+            raise RuntimeError(f"request {load.request_id}: no remote KV layout")
         if layout.block_bytes != state.block_bytes() or len(layout.kv_addrs) != len(kv_caches):
             raise RuntimeError(
                 f"the prefill instance's KV layout ({len(layout.kv_addrs)} layers, "

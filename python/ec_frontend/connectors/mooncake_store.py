@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ec_frontend._core import is_valid_mm_hash
-from ec_frontend.config import ConfigError
 from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECQueuedLoadsConnector,
@@ -84,6 +83,8 @@ from ec_frontend.connectors.mooncake_common import (
     unreachable,
 )
 from ec_frontend.connectors.tensor_checks import tensor_problem
+from ec_frontend.errors import ConfigError
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import ECTransferConfig
@@ -612,7 +613,7 @@ class MooncakeStoreECConnector(ECQueuedLoadsConnector):
             return False
         return self.store.exists([self.store.key(mm_hash)])[0]
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, JSONObject | None]:
         if not self.is_producer or not request.mm_features:
             return False, None
         fields = item_fields(request.mm_features)
@@ -644,7 +645,7 @@ class MooncakeStoreECConnector(ECQueuedLoadsConnector):
                 if tensor is None
                 else tensor_problem(tensor, shape=[spec.num_tokens, tensor.shape[1]])
             )
-            if problem is not None:
+            if tensor is None or problem is not None:
                 logger.warning("EC load of %s from Mooncake Store: %s", spec.mm_hash, problem)
                 self.stats.load_failures += 1
                 continue

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorMetadata
 from ec_frontend.connectors.kv_base import KVConnectorBase, KVConnectorMetadata
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +27,7 @@ class NoOpECConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         return ECConnectorMetadata()
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, JSONObject | None]:
         return False, None
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
@@ -54,7 +55,7 @@ class NoOpKVConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, JSONObject | None]:
         return False, None
 
     def start_load_kv(self, kv_caches: list[torch.Tensor]) -> None:

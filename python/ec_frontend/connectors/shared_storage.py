@@ -34,7 +34,6 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ec_frontend._core import is_valid_mm_hash
-from ec_frontend.config import ConfigError
 from ec_frontend.connectors.base import (
     ECConnectorRole,
     ECLoadSpec,
@@ -42,6 +41,8 @@ from ec_frontend.connectors.base import (
 )
 from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.tensor_checks import tensor_problem
+from ec_frontend.errors import ConfigError
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import ECTransferConfig
@@ -106,7 +107,7 @@ class ECSharedStorageConnector(ECQueuedLoadsConnector):
             return False
         return stat.S_ISREG(st.st_mode)
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, JSONObject | None]:
         if not self.is_producer:
             return False, None
         fields = item_fields(request.mm_features)

@@ -37,12 +37,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import orjson
 import torch
 
 from ec_frontend.connectors.tensor_checks import tensor_problem
+from ec_frontend.types import JSONDict, JSONObject
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def tensor_nbytes(dtype: str, shape: list[int]) -> int:
+def tensor_nbytes(dtype: object, shape: object) -> int:
     """Bytes of a tensor of ``dtype`` and ``shape``; ``WireError`` when either is invalid."""
-    torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else None
-    if torch_dtype is None:
+    return tensor_layout(dtype, shape)[2]
+
+
+def tensor_layout(dtype: object, shape: object) -> tuple[str, list[int], int]:
+    """``(dtype, shape, nbytes)`` of an announced tensor (values from a peer's JSON);
+    ``WireError`` when either is invalid."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError("unsupported dtype")
+    torch_dtype = DTYPES[dtype]
     if (
         not isinstance(shape, list)
         or not shape
@@ -90,7 +96,8 @@ def tensor_nbytes(dtype: str, shape: list[int]) -> int:
         or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 40 for d in shape)
     ):
         raise WireError("invalid shape")
-    return math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+    return dtype, shape, nbytes
 
 
 class Deadline:
@@ -122,7 +129,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Deadline) -> bytearray:
 
 def send_frame(
     sock: socket.socket,
-    header: dict[str, Any],
+    header: JSONObject,
     payload: bytes | None = None,
     deadline: Deadline | None = None,
 ) -> None:
@@ -136,7 +143,7 @@ def send_frame(
         sock.sendall(payload)
 
 
-def recv_header(sock: socket.socket, deadline: Deadline) -> dict[str, Any]:
+def recv_header(sock: socket.socket, deadline: Deadline) -> JSONDict:
     (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
     if length > MAX_HEADER_BYTES:
         raise WireError(
@@ -152,14 +159,14 @@ def recv_header(sock: socket.socket, deadline: Deadline) -> dict[str, Any]:
     return header
 
 
-def tensor_payload(tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+def tensor_payload(tensor: torch.Tensor) -> tuple[JSONObject, bytes]:
     """``({"dtype", "shape", "nbytes"}, bytes)`` of a tensor (copied to the CPU)."""
     cpu = tensor.detach().to("cpu").contiguous()
     data = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
     return {"dtype": dtype_name(cpu.dtype), "shape": list(cpu.shape), "nbytes": len(data)}, data
 
 
-def auth_tag(secret: bytes, challenge: str, request: dict[str, Any]) -> str:
+def auth_tag(secret: bytes, challenge: str, request: JSONObject) -> str:
     """The ``auth`` a request answering ``challenge`` carries."""
     fields = {k: v for k, v in request.items() if k != "auth"}
     body = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
@@ -167,7 +174,7 @@ def auth_tag(secret: bytes, challenge: str, request: dict[str, Any]) -> str:
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def _refusal(header: dict[str, Any]) -> WireError:
+def _refusal(header: JSONObject) -> WireError:
     if "challenge" in header:
         return WireError("the peer requires authentication, and no transfer secret is set here")
     code = header.get("code")
@@ -177,8 +184,8 @@ def _refusal(header: dict[str, Any]) -> WireError:
 
 @contextlib.contextmanager
 def _exchange(
-    host: str, port: int, request: dict[str, Any], timeout_s: float, secret: bytes | None
-) -> Iterator[tuple[socket.socket, dict[str, Any], Deadline]]:
+    host: str, port: int, request: JSONObject, timeout_s: float, secret: bytes | None
+) -> Iterator[tuple[socket.socket, JSONObject, Deadline]]:
     """Connect, authenticate (with ``secret``), send ``request``, read the answer's header.
 
     ``WireError`` for anything but an ``ok: true`` header; the socket stays open
@@ -210,20 +217,21 @@ def _exchange(
         if isinstance(exc, TimeoutError):
             message = f"timed out: the exchange exceeded its {timeout_s:g} s deadline"
             raise WireError(message) from None
-        raise WireError(f"{host}:{port}: {exc.strerror or type(exc).__name__}") from None
+        why = exc.strerror if isinstance(exc, OSError) else None
+        raise WireError(f"{host}:{port}: {why or type(exc).__name__}") from None
 
 
 def request_tensor(
     host: str,
     port: int,
-    request: dict[str, Any],
+    request: JSONObject,
     *,
     timeout_s: float,
     max_bytes: int,
     secret: bytes | None = None,
     shape: list[int] | None = None,
     dtype: str | None = None,
-) -> tuple[dict[str, Any], torch.Tensor]:
+) -> tuple[JSONObject, torch.Tensor]:
     """Send ``request`` to ``host:port`` and read back ``(header, tensor)`` within ``timeout_s``.
 
     Raises :class:`WireError` for anything short of a complete, well-formed,
@@ -232,9 +240,8 @@ def request_tensor(
     false`` answer, a size that does not match dtype and shape, NaN or Inf.
     """
     with _exchange(host, port, request, timeout_s, secret) as (sock, header, deadline):
-        got_dtype, got_shape = header.get("dtype"), header.get("shape")
+        got_dtype, got_shape, expected = tensor_layout(header.get("dtype"), header.get("shape"))
         nbytes = header.get("nbytes")
-        expected = tensor_nbytes(got_dtype, got_shape)
         if nbytes != expected:
             raise WireError("the announced payload size does not match its dtype and shape")
         if expected > max_bytes:
@@ -251,11 +258,11 @@ def request_tensor(
 def request_header(
     host: str,
     port: int,
-    request: dict[str, Any],
+    request: JSONObject,
     *,
     timeout_s: float,
     secret: bytes | None = None,
-) -> dict[str, Any]:
+) -> JSONObject:
     """Send ``request`` and read back a header-only answer; ``WireError`` on failure."""
     with _exchange(host, port, request, timeout_s, secret) as (_, header, _):
         return header
@@ -265,7 +272,7 @@ def request_header(
 #: payload went out completely (the item may then be freed). A handler raises
 #: ``ValueError`` for a malformed request, ``KeyError`` for an unknown item or a
 #: wrong credential.
-Handler = Callable[[dict[str, Any]], tuple[dict[str, Any], bytes | None, Callable[[], None] | None]]
+Handler = Callable[[JSONObject], tuple[JSONObject, bytes | None, Callable[[], None] | None]]
 
 
 class SideChannelServer:
@@ -374,7 +381,7 @@ class SideChannelServer:
         if on_sent is not None:
             on_sent()
 
-    def _authentic(self, challenge: str, request: dict[str, Any]) -> bool:
+    def _authentic(self, challenge: str, request: JSONObject) -> bool:
         tag = request.get("auth")
         secret = self._secret
         return (

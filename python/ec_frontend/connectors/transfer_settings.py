@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ec_frontend.config import ConfigError
+from ec_frontend.errors import ConfigError
 
 _INT_KEYS = ("max_items", "max_bytes", "max_item_bytes")
 _FLOAT_KEYS = ("ttl_s", "timeout_s")

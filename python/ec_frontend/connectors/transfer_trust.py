@@ -33,9 +33,11 @@ import re
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeGuard
 
 import orjson
+
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import TransferTrust
@@ -57,11 +59,11 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def valid_token(value: Any) -> bool:
+def valid_token(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _TOKEN.fullmatch(value) is not None
 
 
-def _canonical(kind: str, key: str, entry: dict[str, Any], expires: int, nonce: str) -> bytes:
+def _canonical(kind: str, key: str, entry: JSONObject, expires: int, nonce: str) -> bytes:
     body = {k: v for k, v in entry.items() if k != SIGNATURE_KEY}
     return orjson.dumps([_VERSION, kind, key, expires, nonce, body], option=orjson.OPT_SORT_KEYS)
 
@@ -70,7 +72,7 @@ def _mac(secret: bytes, message: bytes) -> str:
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def sign(secret: bytes, kind: str, key: str, entry: dict[str, Any], ttl_s: float) -> str:
+def sign(secret: bytes, kind: str, key: str, entry: JSONObject, ttl_s: float) -> str:
     """The signature of ``entry`` (``kind`` "ec" or "kv", ``key`` its ``mm_hash``),
     valid for ``ttl_s`` seconds."""
     expires = int(time.time() + ttl_s) + 1
@@ -80,8 +82,8 @@ def sign(secret: bytes, kind: str, key: str, entry: dict[str, Any], ttl_s: float
 
 
 def signed(
-    secret: bytes | None, kind: str, key: str, entry: dict[str, Any], ttl_s: float
-) -> dict[str, Any]:
+    secret: bytes | None, kind: str, key: str, entry: JSONObject, ttl_s: float
+) -> JSONObject:
     """``entry`` with its signature added (unchanged without a secret)."""
     if secret is None:
         return entry
@@ -121,7 +123,7 @@ _SEEN = _Nonces()
 
 
 def check_signature(
-    secret: bytes, kind: str, key: str, entry: dict[str, Any], *, consume: bool = True
+    secret: bytes, kind: str, key: str, entry: JSONObject, *, consume: bool = True
 ) -> str | None:
     """Why ``entry`` must not be acted on (``None``: it may). With ``consume`` its
     nonce is claimed, so the next check of the same entry is a replay."""
@@ -163,7 +165,7 @@ def check_peer(trust: TransferTrust, host: str, port: int) -> str | None:
 
 
 def check_entry(
-    trust: TransferTrust, kind: str, key: str, entry: dict[str, Any], host: str, port: int
+    trust: TransferTrust, kind: str, key: str, entry: JSONObject, host: str, port: int
 ) -> str | None:
     """The consumer's gate before any connection: the allowlist, then (with a secret)
     the signature, whose nonce is claimed only when everything passed."""
@@ -173,7 +175,7 @@ def check_entry(
     return reason
 
 
-def loggable(value: Any, limit: int = 64) -> str:
+def loggable(value: object, limit: int = 64) -> str:
     """A client-supplied value for a log line: printable ASCII, cut to ``limit``."""
     text = value if isinstance(value, str) else repr(value)
     text = "".join(c if " " <= c <= "~" else "?" for c in text[: limit + 1])

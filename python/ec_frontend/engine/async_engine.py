@@ -13,8 +13,9 @@ import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from ec_frontend.engine.groups import RequestGroups
 from ec_frontend.engine.outputs import RequestOutput
@@ -48,6 +49,16 @@ class _Sink:
     queue: asyncio.Queue[RequestOutput]
 
 
+class _Aborts(Protocol):
+    """What a stream needs of its engine: to abort its request without awaiting."""
+
+    def _abort_nowait(self, request_id: str) -> None: ...
+
+
+#: The core thread's commands: add ``(request_id, inputs, params)``, or abort an id.
+_Command = tuple[str, "tuple[str, ProcessedInputs, SamplingParams] | str"]
+
+
 class RequestStream:
     """Async iterator over one request's output deltas.
 
@@ -55,7 +66,7 @@ class RequestStream:
     request finished aborts the request.
     """
 
-    def __init__(self, engine: Any, request_id: str, sink: _Sink) -> None:
+    def __init__(self, engine: _Aborts, request_id: str, sink: _Sink) -> None:
         self._engine = engine
         self.request_id = request_id
         self._queue = sink.queue
@@ -85,11 +96,11 @@ class RequestStream:
 class AsyncEngine:
     """Serves requests on an :class:`EngineCore` stepped by a daemon thread."""
 
-    def __init__(self, core: EngineCore, processor: InputProcessor | None = None) -> None:
+    def __init__(self, core: EngineCore, processor: InputProcessor) -> None:
         self.core = core
         self.config: EngineConfig = core.config
         self.processor = processor
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
@@ -109,7 +120,7 @@ class AsyncEngine:
         return cls(core, processor)
 
     @property
-    def eos_token_id(self) -> Any:
+    def eos_token_id(self) -> int | Sequence[int] | None:
         return self.core.eos_token_id
 
     # ---- client API ---------------------------------------------------------
@@ -217,7 +228,7 @@ class AsyncEngine:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "add" and isinstance(payload, tuple):
                 request_id, inputs, params = payload
                 try:
                     self.core.add_request(request_id, inputs, params)
@@ -229,7 +240,7 @@ class AsyncEngine:
                         error=f"request could not be added: {exc}",
                     )
                     self._deliver([failed])
-            else:
+            elif isinstance(payload, str):
                 self.core.abort(payload)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -34,7 +34,7 @@ def _framed_salt(salt: str | None) -> bytes:
 
 
 def block_key(
-    parent: bytes, token_ids: list[int], items: list[tuple[str, int, tuple[int, int, int]]]
+    parent: bytes, token_ids: list[int], items: list[tuple[str, int, tuple[int, ...]]]
 ) -> bytes:
     """The key of one full block after ``parent`` (``_ROOT`` for block 0, with the salt)."""
     h = hashlib.sha256(parent)

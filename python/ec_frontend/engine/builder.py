@@ -6,18 +6,26 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ec_frontend.config import (
     BLOCK_SIZES,
     CacheConfig,
-    ConfigError,
     ECTransferConfig,
     EngineConfig,
     KVTransferConfig,
     SchedulerConfig,
     TransferTrust,
 )
+from ec_frontend.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ec_frontend.engine.client import EngineClient
+    from ec_frontend.engine.core import EngineCore
+    from ec_frontend.engine.core_proc import EngineProcess
+    from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 
 
 class EngineArgs(Protocol):
@@ -226,7 +234,7 @@ def _builtin_id() -> str:
     return BUILTIN_MODEL_ID
 
 
-def build_core(config: EngineConfig) -> tuple[Any, Any]:
+def build_core(config: EngineConfig) -> tuple[EngineCore, Callable[[], InputProcessor]]:
     """In the engine process: ``(EngineCore, processor loader)``. The core gets no
     tokenizer (its clients detokenize); the loader builds the input processor on
     first use (a structured-output grammar needs the tokenizer)."""
@@ -235,9 +243,9 @@ def build_core(config: EngineConfig) -> tuple[Any, Any]:
 
     path, model_id = EngineCore.checkpoint(config)
     model = EngineCore.load_model(config, path)
-    loaded: list[Any] = []
+    loaded: list[InputProcessor] = []
 
-    def processor() -> Any:
+    def processor() -> InputProcessor:
         if not loaded:
             loaded.append(load_processor(path, model_id=config.model_id or model_id))
         return loaded[0]
@@ -246,7 +254,9 @@ def build_core(config: EngineConfig) -> tuple[Any, Any]:
     return EngineCore(config, model, eos_token_id=eos), processor
 
 
-def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]:
+def create_engine(
+    opts: EngineArgs, spawned: EngineProcess | None = None
+) -> tuple[EngineClient[Any], str, int]:
     """``(engine, model_id, max_model_len)``; raises ``ValueError`` on bad options and
     :class:`~ec_frontend.engine.core_proc.StartupError` when the engine cannot load.
     ``opts.engine_mode`` picks the engine process (``multiprocess``; ``spawned``: an
@@ -268,8 +278,10 @@ def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]
             threads = engine_process_threads(len(os.sched_getaffinity(0)))
 
         level = log.getEffectiveLevel()
-        engine = MPEngineClient.start(config, cpu_threads=threads, log_level=level, spawned=spawned)
-        return engine, config.model_id, config.scheduler.max_model_len
+        client: EngineClient[Any] = MPEngineClient.start(
+            config, cpu_threads=threads, log_level=level, spawned=spawned
+        )
+        return client, config.model_id, config.scheduler.max_model_len
     import torch
 
     from ec_frontend.engine.async_engine import AsyncEngine
@@ -277,5 +289,5 @@ def create_engine(opts: EngineArgs, spawned: Any = None) -> tuple[Any, str, int]
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and threads is not None:
         torch.set_num_threads(threads)
-    engine = AsyncEngine.from_config(config)
+    engine: EngineClient[ProcessedInputs] = AsyncEngine.from_config(config)
     return engine, config.model_id, config.scheduler.max_model_len

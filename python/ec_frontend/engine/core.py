@@ -13,14 +13,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.config import EngineConfig
 from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
 from ec_frontend.connectors.factory import create_ec_connectors, create_kv_connectors
 from ec_frontend.connectors.kv_base import KVConnectorBase
 from ec_frontend.connectors.noop import NoOpECConnector
-from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
+from ec_frontend.engine.detokenizer import Decoder, IncrementalDetokenizer, text_token_ids
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager, plan_kv_cache
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput, RequestOutput
@@ -52,7 +52,7 @@ class EngineCore:
         config: EngineConfig,
         model: VisionLanguageModel,
         *,
-        tokenizer: Any = None,
+        tokenizer: Decoder | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         ec_connectors: tuple[ECConnectorBase, ECConnectorBase] | None = None,
         kv_connectors: tuple[KVConnectorBase, KVConnectorBase] | None = None,
@@ -345,7 +345,9 @@ def _connector_stats(kv: KVConnectorBase | None, ec: ECConnectorBase | None) -> 
         "transfer_params_rejected_total": int(getattr(kv, "params_rejected", 0))
         + int(getattr(ec, "params_rejected", 0)),
         "kv_requests_held": int(getattr(kv, "num_requests_held", 0)),
-        "ec_items_held": int(ec.num_items_held()) if hasattr(ec, "num_items_held") else 0,
+        "ec_items_held": (
+            int(ec.num_items_held()) if ec is not None and hasattr(ec, "num_items_held") else 0
+        ),
     }
 
 

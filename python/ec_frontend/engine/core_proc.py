@@ -62,9 +62,16 @@ from ec_frontend.engine.wire import (
 from ec_frontend.errors import StartupError
 
 if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
     from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
+    from ec_frontend.engine.mock import MockEngineConfig
     from ec_frontend.engine.outputs import RequestOutput
+    from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.engine.stats import EngineStats
+    from ec_frontend.engine.structured_output import CompiledGrammar
+    from ec_frontend.model.processor import InputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +91,7 @@ _STARTUP_EXIT = 2
 class EngineSpec:
     """What the engine process needs to build its core (pickled to the child)."""
 
-    config: EngineConfig
+    config: EngineConfig | MockEngineConfig
     #: Torch threads on the CPU (``None``: torch's default).
     cpu_threads: int | None = None
     #: ``"real"``: the checkpoint ``config.model``; ``"mock"``: the mock model.
@@ -180,8 +187,9 @@ class EngineProcess:
             self.proc.wait()
             self._cleanup()
             raise StartupError(str(payload))
-        self.info = payload
-        return payload
+        info: dict[str, Any] = payload
+        self.info = info
+        return info
 
     @classmethod
     def start(
@@ -222,7 +230,7 @@ class EngineProcess:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _dumps(obj: Any) -> bytes:
+def _dumps(obj: object) -> bytes:
     """Pickle with read-only mappings (frozen configs hold them) as plain dicts inside."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -301,11 +309,11 @@ def main() -> None:
     os._exit(0)
 
 
-def _raise_exit(signum: int, frame: Any) -> None:
+def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _report(fd: int, message: Any) -> None:
+def _report(fd: int, message: object) -> None:
     with os.fdopen(fd, "wb", closefd=True) as pipe:
         pipe.write(msgspec.msgpack.encode(message))
 
@@ -316,27 +324,33 @@ class _Served:
 
     core: EngineCore
     spec: EngineSpec
-    processor_loader: Callable[[], Any] | None = None
-    _grammar_tokenizer: Any = None
-    _grammars: dict[tuple[str, str], Any] = field(default_factory=dict)
+    processor_loader: Callable[[], InputProcessor] | None = None
+    _grammar_tokenizer: LLTokenizer | None = None
+    _grammars: dict[tuple[str, str], CompiledGrammar] = field(default_factory=dict)
 
     @classmethod
     def build(cls, spec: EngineSpec) -> _Served:
         if spec.kind == "mock":
-            from ec_frontend.engine.mock import build_mock_core
+            from ec_frontend.engine.mock import MockEngineConfig, build_mock_core
 
+            if not isinstance(spec.config, MockEngineConfig):
+                raise TypeError(f"a mock engine takes a MockEngineConfig, not {spec.config!r}")
             return cls(build_mock_core(spec.config), spec)
+        from ec_frontend.config import EngineConfig
         from ec_frontend.engine.builder import build_core, load_plugins
 
+        config = spec.config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"a model engine takes an EngineConfig, not {config!r}")
         load_plugins()
         torch = _torch()
-        device = spec.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu" and spec.cpu_threads is not None:
             torch.set_num_threads(spec.cpu_threads)
-        core, loader = build_core(spec.config)
+        core, loader = build_core(config)
         return cls(core, spec, loader)
 
-    def grammar(self, kind: str, text: str) -> Any:
+    def grammar(self, kind: str, text: str) -> CompiledGrammar:
         """The engine's compiled grammar for a frontend-validated one (cached)."""
         key = (kind, text)
         hit = self._grammars.get(key)
@@ -509,6 +523,7 @@ class EngineServer:
         self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
 
     def _inputs(self, data: dict[str, Any]) -> Any:
+        """``ProcessedInputs``, or what a mock core builds in their place (duck-typed)."""
         builder = getattr(self.core, "build_inputs", None)
         if builder is not None:
             return builder(data)
@@ -520,7 +535,7 @@ class EngineServer:
         ]
         return ProcessedInputs(**kwargs)
 
-    def _params(self, data: dict[str, Any]) -> Any:
+    def _params(self, data: dict[str, Any]) -> SamplingParams:
         from ec_frontend.engine.sampling_params import SamplingParams
 
         kwargs = unpack_fields(data)
@@ -571,11 +586,11 @@ class EngineServer:
             self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
 
 
-def _stats_values(stats: Any) -> list[Any]:
+def _stats_values(stats: EngineStats) -> list[int | float]:
     return [getattr(stats, f.name) for f in dataclasses.fields(stats)]
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     if isinstance(value, tuple | list | frozenset | set):
         return list(value)
     return value

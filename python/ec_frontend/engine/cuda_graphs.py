@@ -26,10 +26,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ec_frontend.model.interface import AttentionMetadata, VisionLanguageModel
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class CudaGraphCapture:
     (captured largest first, so the smaller ones fit in the largest one's memory)."""
 
     def __init__(self) -> None:
-        self._pool: object | None = None
+        self._pool: _POOL_HANDLE | None = None
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
@@ -69,7 +73,11 @@ def eager_capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], t
     the graph (static inputs, padding, the scratch block) where no GPU is; the
     CUDA capture itself is checked by ``benches/gpu_check_tests.py``."""
     out = fn()
-    return (lambda: out.copy_(fn())), out
+
+    def replay() -> None:
+        out.copy_(fn())
+
+    return replay, out
 
 
 @dataclass(frozen=True, slots=True)

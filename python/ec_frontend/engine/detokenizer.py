@@ -12,7 +12,7 @@ the start of a stop string that later completes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 from ec_frontend.engine.sampling_params import SamplingParams
 
@@ -30,10 +30,16 @@ def text_token_ids(
     return token_ids
 
 
+class Decoder(Protocol):
+    """What the detokenizer needs of a tokenizer: Hugging Face's ``decode``."""
+
+    def decode(self, token_ids: list[int], /, *, skip_special_tokens: bool = ...) -> str: ...
+
+
 class IncrementalDetokenizer:
     """Per-request text state. ``tokenizer`` is any object with HF-style ``decode``."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])

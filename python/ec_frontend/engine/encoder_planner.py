@@ -11,15 +11,16 @@ reserves the space once the scheduler has admitted the chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ec_frontend.connectors.base import ECConnectorBase
     from ec_frontend.engine.encoder_cache import EncoderCacheManager
     from ec_frontend.engine.request import Request
+    from ec_frontend.model.processor import MultiModalFeature
 
 
-def decode_deferred_image(feature: Any) -> bool:
+def decode_deferred_image(feature: MultiModalFeature) -> bool:
     """Pixels for an image the processor deferred (it expected a cache hit)."""
     if getattr(feature, "deferred", None) is None:
         return False
@@ -28,7 +29,7 @@ def decode_deferred_image(feature: Any) -> bool:
     return decode_deferred(feature)
 
 
-def no_source(feature: Any) -> str:
+def no_source(feature: MultiModalFeature) -> str:
     """Why a media item with no pixel values cannot be encoded here."""
     if getattr(feature, "deferred", None) is not None:
         return f"media item {feature.mm_hash} could not be decoded again for its encoder"
@@ -78,7 +79,8 @@ class EncoderInputPlanner:
         rows = 0
         hits = 0
         end = start + num_new
-        consumer = self.ec_connector is not None and self.ec_connector.is_consumer
+        ec_connector = self.ec_connector
+        consumer = ec_connector is not None and ec_connector.is_consumer
         for i, feature in enumerate(request.mm_features):
             if feature.offset >= end:
                 break
@@ -89,7 +91,11 @@ class EncoderInputPlanner:
             if self.encoder_cache.check_and_update_cache(request, i):
                 hits += 1
                 continue
-            loadable = consumer and self.ec_connector.has_cache_item(feature.mm_hash, request)
+            loadable = (
+                consumer
+                and ec_connector is not None
+                and ec_connector.has_cache_item(feature.mm_hash, request)
+            )
             # An item larger than the whole budget runs alone rather than never.
             fits_budget = (
                 loadable or feature.length <= encoder_budget or encoder_budget == self.full_budget

@@ -14,8 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ec_frontend.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError
+from ec_frontend.config import DEFAULT_CPU_KV_CACHE_BYTES
 from ec_frontend.engine.block_hash import extend_block_hashes
+from ec_frontend.errors import ConfigError
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
@@ -295,7 +296,9 @@ class KVCacheManager:
             block = self._free.popleft()
         else:
             block, _ = self._free_keyed.popitem(last=False)
-            del self._by_key[self._key[block]]  # type: ignore[index]
+            key = self._key[block]
+            if key is not None:  # always: only keyed blocks are in _free_keyed
+                del self._by_key[key]
             self._key[block] = None
         self._ref[block] = 1
         return block

@@ -21,13 +21,24 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ec_frontend.engine.groups import RequestGroups
 from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
 from ec_frontend.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from ec_frontend.config import EngineConfig
+    from ec_frontend.engine.core import EngineCore
+    from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+    from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.engine.scheduler import Scheduler
+    from ec_frontend.engine.scheduler_output import SchedulerOutput
+    from ec_frontend.model.interface import KVCacheSpec
+    from ec_frontend.model.processor import InputProcessor
+    from ec_frontend.types import JSONObject
 
 #: Prompt characters that stand for one image in a mock chat prompt.
 IMAGE_PLACEHOLDER = "\ufffc"
@@ -94,7 +105,7 @@ class MockProcessor:
     def __init__(self) -> None:
         self.tokenizer = CharTokenizer()
         image_model = os.environ.get(MOCK_IMAGE_MODEL_ENV)
-        self.images: Any = None
+        self.images: InputProcessor | None = None
         if image_model:
             from ec_frontend.model.loader import load_processor
 
@@ -216,6 +227,14 @@ class MockEngine:
         for request_id in self._groups.members(groups):
             await self.abort(request_id)
 
+    def holds_request(self, request_id: str) -> bool:
+        """In flight (the mock holds nothing for a connector after a request ends)."""
+        return request_id in self._running
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
     def shutdown(self) -> None:
         self._running.clear()
         self._refs.clear()
@@ -243,8 +262,12 @@ class MockEngine:
                 self._refs.pop(f.mm_hash, None)
 
     async def add_request(
-        self, request_id: str, inputs: MockInputs, params: Any, group: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+        self,
+        request_id: str,
+        inputs: MockInputs,
+        params: SamplingParams,
+        group: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield one delta per generated token; the last one has ``finished=True``.
 
         With no token latency the deltas come without yielding to the event loop.
@@ -263,7 +286,7 @@ class MockEngine:
             self._release(request_id, inputs)
 
     def _generate(
-        self, request_id: str, inputs: MockInputs, params: Any
+        self, request_id: str, inputs: MockInputs, params: SamplingParams
     ) -> Iterator[RequestOutput | None]:
         """The token loop; yields ``None`` where the caller should wait one token latency."""
         prompt = inputs.prompt_token_ids or [ord(" ")]
@@ -379,10 +402,12 @@ class MockModel:
     vocab_size = VOCAB_SIZE
     device: Any = _NoTensors()
 
-    def kv_cache_spec(self) -> Any:
+    def kv_cache_spec(self) -> KVCacheSpec:
         from ec_frontend.model.interface import KVCacheSpec
 
-        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=_NoTensors())
+        # Sizing reads only the element size; the mock never allocates a tensor.
+        no_tensors = _NoTensors()
+        return KVCacheSpec(num_layers=0, num_kv_heads=1, head_dim=1, dtype=no_tensors)  # type: ignore[arg-type]
 
 
 class MockRunner:
@@ -393,7 +418,7 @@ class MockRunner:
     tokens, so a preempted request resumes where it was.
     """
 
-    def __init__(self, scheduler: Any, token_latency_s: float = 0.0) -> None:
+    def __init__(self, scheduler: Scheduler, token_latency_s: float = 0.0) -> None:
         from ec_frontend.engine.stats import RunnerCounters
 
         self.scheduler = scheduler
@@ -401,7 +426,7 @@ class MockRunner:
         self.counters = RunnerCounters()
         self._rngs: dict[str, random.Random] = {}
 
-    def execute(self, so: Any) -> Any:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         from ec_frontend.engine.outputs import ModelRunnerOutput
 
         out = ModelRunnerOutput()
@@ -474,10 +499,13 @@ def _mock_core_class() -> type:
         params given in ``extra_args`` come back on the finished output, as a
         connector's ``request_finished`` would return them."""
 
-        def __init__(self, config: Any, token_latency_s: float) -> None:
+        def __init__(self, config: EngineConfig, token_latency_s: float) -> None:
             self._token_latency_s = token_latency_s
-            super().__init__(config, MockModel(), eos_token_id=CharTokenizer.eos_token_id)
-            self._echo: dict[str, tuple[Any, Any]] = {}
+            # The core itself reads only vocab_size, device and kv_cache_spec(); the rest
+            # of a VisionLanguageModel is the runner's, which MockRunner replaces.
+            model = MockModel()
+            super().__init__(config, model, eos_token_id=CharTokenizer.eos_token_id)  # type: ignore[arg-type]
+            self._echo: dict[str, tuple[JSONObject | None, JSONObject | None]] = {}
 
         def _make_runner(self, *args: Any) -> Any:
             return MockRunner(self.scheduler, self._token_latency_s)
@@ -496,11 +524,14 @@ def _mock_core_class() -> type:
             params.max_tokens = min(_get(params, "max_tokens", DEFAULT_MAX_TOKENS), limit)
             extra = params.extra_args or {}
             kv, ec = extra.get("kv_transfer_params"), extra.get("ec_transfer_params")
-            if kv is not None or ec is not None:
-                self._echo[request_id] = (kv, ec)
+            if isinstance(kv, dict) or isinstance(ec, dict):
+                self._echo[request_id] = (
+                    kv if isinstance(kv, dict) else None,
+                    ec if isinstance(ec, dict) else None,
+                )
             super().add_request(request_id, inputs, params)
 
-        def _to_request_output(self, co: Any) -> RequestOutput:
+        def _to_request_output(self, co: EngineCoreOutput) -> RequestOutput:
             out = super()._to_request_output(co)
             if out.finished:
                 echo = self._echo.pop(co.request_id, None)
@@ -511,7 +542,7 @@ def _mock_core_class() -> type:
     return MockCore
 
 
-def build_mock_core(config: MockEngineConfig) -> Any:
+def build_mock_core(config: MockEngineConfig) -> EngineCore:
     """In the engine process: the engine core around the mock model (``--mock-engine``
     with the multiprocess engine)."""
     from ec_frontend.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -533,4 +564,5 @@ def build_mock_core(config: MockEngineConfig) -> Any:
             enable_prefix_caching=False,
         ),
     )
-    return _mock_core_class()(engine_config, config.token_latency_s)
+    core: EngineCore = _mock_core_class()(engine_config, config.token_latency_s)
+    return core

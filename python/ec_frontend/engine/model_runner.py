@@ -303,7 +303,7 @@ class ModelRunner:
 
     def _encode_batch(self, jobs: list[_EncodeJob]) -> list[torch.Tensor]:
         self.counters.encoder_forward_calls += 1
-        pixels = torch.cat([job.feature.pixel_values for job in jobs])
+        pixels = torch.cat([_pixels(job.feature) for job in jobs])
         grid = torch.tensor([list(job.feature.image_grid_thw) for job in jobs], dtype=torch.int64)
         outputs = self.model.encode_images(pixels, grid)
         if len(outputs) != len(jobs):
@@ -439,3 +439,11 @@ class ModelRunner:
             data.grammar,
             state.penalties,
         )
+
+
+def _pixels(feature: MultiModalFeature) -> torch.Tensor:
+    """The image's pixel values (every encode job has them: deferred ones are decoded
+    before the job is made)."""
+    if feature.pixel_values is None:
+        raise ValueError(f"image {feature.mm_hash} has no pixel values")
+    return feature.pixel_values

@@ -63,7 +63,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from ec_frontend.config import EngineConfig
+    from ec_frontend.engine.mock import MockEngineConfig, MockInputs, MockProcessor
     from ec_frontend.engine.sampling_params import SamplingParams
+    from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,9 @@ class StreamDetokenizer(IncrementalDetokenizer):
     class's. Tokens that end inside a multi-byte character wait for the next one;
     when the request ends with them, they are decoded as they are."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         super().__init__(tokenizer, prompt_token_ids, params)
@@ -122,7 +126,7 @@ class StreamDetokenizer(IncrementalDetokenizer):
 
 
 def make_detokenizer(
-    tokenizer: Any, prompt_token_ids: Sequence[int], params: Any
+    tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
 ) -> IncrementalDetokenizer:
     """The streaming detokenizer for a fast Hugging Face tokenizer, else the window one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -147,8 +151,8 @@ class MPEngineClient:
         self,
         address: str,
         *,
-        config: EngineConfig | Any,
-        processor: Any,
+        config: EngineConfig | MockEngineConfig,
+        processor: InputProcessor | MockProcessor,
         client_index: int = 0,
         process: EngineProcess | None = None,
         detokenize: bool = True,
@@ -205,17 +209,18 @@ class MPEngineClient:
         kind, info = self._out_codec.decode(self._output.recv_multipart(copy=False))
         if kind != WELCOME:
             raise StartupError(f"unexpected first message from the engine: {kind!r}")
-        return info
+        welcome: dict[str, Any] = info
+        return welcome
 
     @classmethod
     def start(
         cls,
-        config: EngineConfig | Any,
+        config: EngineConfig | MockEngineConfig,
         *,
         cpu_threads: int | None = None,
         log_level: int = logging.WARNING,
         kind: str = "real",
-        processor: Any = None,
+        processor: InputProcessor | MockProcessor | None = None,
         spawned: EngineProcess | None = None,
     ) -> MPEngineClient:
         """Start an engine process for ``config`` (or give ``spawned``, an
@@ -235,7 +240,11 @@ class MPEngineClient:
     # ---- the AsyncEngine interface ----------------------------------------------
 
     def add_request(
-        self, request_id: str, inputs: Any, params: SamplingParams, group: str | None = None
+        self,
+        request_id: str,
+        inputs: ProcessedInputs | MockInputs,
+        params: SamplingParams,
+        group: str | None = None,
     ) -> RequestStream:
         """Submit a request; iterate the result for its deltas (from a running loop).
         ``group``: the client request it belongs to, for :meth:`abort_groups`."""
@@ -251,9 +260,9 @@ class MPEngineClient:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._requests[request_id] = _ClientRequest(sink, prompt, detok)
-        message: tuple[Any, ...] = (ADD, request_id, pack_dataclass(inputs), pack_params(params))
+        message: tuple[object, ...] = (ADD, request_id, pack_dataclass(inputs), pack_params(params))
         self._send(message if group is None else (*message, group))
-        return RequestStream(self, request_id, sink)  # type: ignore[arg-type]
+        return RequestStream(self, request_id, sink)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason="abort"``."""
@@ -310,7 +319,7 @@ class MPEngineClient:
 
     # ---- sending ------------------------------------------------------------------
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: object) -> None:
         with self._send_lock:
             frames = self._codec.encode(message)
             self._input.send_multipart(frames, copy=False)
@@ -414,7 +423,9 @@ class MPEngineClient:
             return held
         logprobs = None
         if lps is not None:
-            logprobs = [TokenLogprob(t, lp, r, [tuple(x) for x in top]) for t, lp, r, top in lps]
+            logprobs = [
+                TokenLogprob(t, lp, r, [(tid, p) for tid, p in top]) for t, lp, r, top in lps
+            ]
         text = ""
         detok = state.detokenizer
         if detok is not None:
@@ -436,13 +447,19 @@ class MPEngineClient:
         )  # fmt: skip
 
 
-def _load_processor(config: Any, kind: str) -> Any:
+def _load_processor(
+    config: EngineConfig | MockEngineConfig, kind: str
+) -> InputProcessor | MockProcessor:
     if kind == "mock":
         from ec_frontend.engine.mock import MockProcessor
 
         return MockProcessor()
+    from ec_frontend.config import EngineConfig
     from ec_frontend.engine.core import EngineCore
     from ec_frontend.model.loader import load_processor
+
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"a model engine takes an EngineConfig, not {config!r}")
 
     path, model_id = EngineCore.checkpoint(config)
     return load_processor(path, model_id=config.model_id or model_id)

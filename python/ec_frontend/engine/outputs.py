@@ -9,7 +9,8 @@ later delta that carries ``None``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from ec_frontend.types import JSONObject
 
 
 @dataclass(slots=True)
@@ -32,8 +33,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JSONObject | None = None
+    ec_transfer_params: JSONObject | None = None
     error: str | None = None
 
     @property
@@ -59,8 +60,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JSONObject | None = None
+    ec_transfer_params: JSONObject | None = None
     error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +51,7 @@ _FINISH_REASONS = {
 }
 
 
-def _extra_arg(params: SamplingParams, key: str) -> dict[str, Any] | None:
+def _extra_arg(params: SamplingParams, key: str) -> JSONObject | None:
     extra = params.extra_args
     if extra is None:
         return None

@@ -10,7 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ec_frontend.types import JSONDict
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.structured_output import CompiledGrammar
 
 #: Temperatures below this are treated as greedy.
 GREEDY_EPSILON = 1e-5
@@ -72,10 +77,10 @@ class SamplingParams:
     #: Token sequences the sampler never completes: the last id of each is banned
     #: where the output ends with the ids before it.
     bad_words_token_ids: list[list[int]] | None = None
-    extra_args: dict[str, Any] | None = None
+    extra_args: JSONDict | None = None
     #: A compiled constraint (:class:`~ec_frontend.engine.structured_output.CompiledGrammar`)
     #: that every sampled token must follow; set by the server after compiling.
-    structured_outputs: Any = None
+    structured_outputs: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if type(self.seed) is int and self.seed == NO_SEED:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.engine.encoder_planner import EncoderInputPlanner, EncoderPlan
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from ec_frontend.engine.request import Request, RequestStatus
 from ec_frontend.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.config import SchedulerConfig
@@ -144,9 +145,7 @@ class Scheduler:
             error=request.error,
         )
 
-    def _free_request(
-        self, request: Request
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    def _free_request(self, request: Request) -> tuple[JSONObject | None, JSONObject | None]:
         """Ask the connectors for the request's transfer params, then free what they allow.
 
         Returns ``(kv_transfer_params, ec_transfer_params)``; ``None`` for an
@@ -289,7 +288,7 @@ class Scheduler:
             cached: list[int] = []
             if num_external == 0 and request.num_computed_tokens == 0 and self.kv_cache:
                 cached = self.kv_cache.find_cached_prefix(request)
-            num_hit = len(cached) * self.kv_cache.block_size if cached else 0
+            num_hit = len(cached) * self.kv_cache.block_size if cached and self.kv_cache else 0
             start = request.num_computed_tokens + num_external + num_hit
             num_new = request.num_tokens - start
             if not cfg.enable_chunked_prefill and num_new > token_budget:
@@ -519,18 +518,18 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         for rid in out.kv_finished_sending or ():
-            request = self._kv_delayed.pop(rid, None)
-            if request is not None:
+            sent = self._kv_delayed.pop(rid, None)
+            if sent is not None:
                 if self.kv_cache is not None:
                     self.kv_cache.free(rid)
                 if rid not in self._ec_delayed:
-                    self._release(request)
+                    self._release(sent)
         for rid in out.ec_finished_sending or ():
-            request = self._ec_delayed.pop(rid, None)
-            if request is not None:
-                self.encoder_cache.free(request)
+            sent = self._ec_delayed.pop(rid, None)
+            if sent is not None:
+                self.encoder_cache.free(sent)
                 if rid not in self._kv_delayed:
-                    self._release(request)
+                    self._release(sent)
 
     def _take_remote_token(self, request: Request, result: KVLoadResult | None) -> bool:
         """The whole prompt's KV arrived: continue from the token the remote prefill

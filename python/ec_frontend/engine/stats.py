@@ -8,7 +8,6 @@ Counters end in ``_total`` (totals since start); every other field is a gauge
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 
 @dataclass(slots=True)
@@ -62,5 +61,5 @@ class EngineStats:
     kv_requests_held: int = 0
     ec_items_held: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, int | float]:
         return asdict(self)

@@ -35,18 +35,21 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 logger = logging.getLogger(__name__)
 
 #: Options of llguidance's JSON-schema compiler: compact separators, no free
 #: whitespace (a model could otherwise spend its whole budget on spaces).
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 #: Compiled grammars kept per compiler.
 CACHE_SIZE = 512
 #: Constraint kinds a request may ask for.
@@ -185,7 +188,9 @@ class GrammarCompiler:
                 schema = json.loads(spec) if isinstance(spec, str) else spec
                 if not isinstance(schema, dict | bool):
                     raise ValueError("a JSON schema must be an object or a boolean")
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                # A boolean schema (``true``: anything) goes as its JSON text.
+                text = schema if isinstance(schema, dict) else json.dumps(schema)
+                return LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
             if kind == "json_object":
                 return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             if kind == "regex":
@@ -323,8 +328,8 @@ def _compute(executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Ten
         if not words[i].any():
             # Nothing allowed (a matcher that failed inside the library): end.
             logger.warning("constrained request has no allowed token: %s", matcher.get_error())
-            state = job.states[i]
-            _only(mask[i], state.grammar.tokenizer.eos_tokens if state is not None else ())
+            row_state = job.states[i]
+            _only(mask[i], row_state.grammar.tokenizer.eos_tokens if row_state is not None else ())
     return mask
 
 
@@ -457,8 +462,8 @@ def apply_bitmask(
     index_t = torch.tensor(list(rows), dtype=torch.int64)
     packed_t = bitmask.index_select(0, index_t)
     if cpu:
-        bits = np.unpackbits(packed_t.numpy().view(np.uint8), axis=-1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, :vocab]).view(torch.bool)
+        row_bits = np.unpackbits(packed_t.numpy().view(np.uint8), axis=-1, bitorder="little")
+        allowed = torch.from_numpy(row_bits[:, :vocab]).view(torch.bool)
     else:
         allowed = unpack_bitmask(packed_t.to(logits.device, non_blocking=True), vocab)
     if not partial:

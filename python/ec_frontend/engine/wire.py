@@ -21,15 +21,21 @@ and received as views of the frame; the header holds their dtype and shape.
 from __future__ import annotations
 
 import sys
+import types
 import warnings
+from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import msgspec
 import zmq
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from ec_frontend.engine.outputs import RequestOutput
+    from ec_frontend.types import JSONObject
 
 PROTOCOL_VERSION = 2  # 2: ADD carries the group, ABORT_GROUPS
 
@@ -49,17 +55,21 @@ _EXT_NDARRAY = 2
 # ---- frames -------------------------------------------------------------------
 
 
+#: A frame as ``send_multipart`` takes it and ``recv_multipart`` gives it back.
+Frame = bytes | memoryview | zmq.Frame
+
+
 class Codec:
     """msgpack headers with tensors as extra frames. Not thread-safe: one per user."""
 
     def __init__(self) -> None:
-        self._frames: list[Any] = []
+        self._frames: list[Frame] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._inner = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
-        self._in_frames: list[Any] = []
+        self._in_frames: Sequence[Frame] = []
 
-    def encode(self, message: Any) -> list[Any]:
+    def encode(self, message: object) -> list[Frame]:
         """``[header, *tensor buffers]`` for ``zmq.Socket.send_multipart(copy=False)``."""
         self._frames = []
         try:
@@ -68,41 +78,46 @@ class Codec:
         finally:
             self._frames = []
 
-    def decode(self, frames: list[Any]) -> Any:
-        """The message of ``[header, *tensor frames]`` (frames from ``copy=False``)."""
+    def decode(self, frames: Sequence[Frame]) -> Any:
+        """The message of ``[header, *tensor frames]`` (frames from ``copy=False``); its
+        shape is the sender's (msgpack values, tensors and arrays): Any to the caller."""
         self._in_frames = frames
         try:
             return self._decoder.decode(_buffer(frames[0]))
         finally:
             self._in_frames = []
 
-    def _enc_hook(self, obj: Any) -> Any:
+    def _enc_hook(self, obj: object) -> msgspec.msgpack.Ext:
         import numpy as np
 
-        if type(obj).__module__ == "torch" or _is_tensor(obj):
+        if _is_tensor(obj):
             tensor = obj.detach()
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             tensor = tensor.contiguous()
             dtype = str(tensor.dtype).removeprefix("torch.")
             shape = list(tensor.shape)
-            raw = tensor.reshape(-1).view(_torch().uint8).numpy() if tensor.numel() else b""
+            flat = tensor.reshape(-1).view(_torch().uint8)
+            raw = flat.numpy().data if tensor.numel() else b""
             return self._ext(_EXT_TENSOR, dtype, shape, raw)
         if isinstance(obj, np.ndarray):
             arr = np.ascontiguousarray(obj)
-            return self._ext(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), arr.reshape(-1))
+            return self._ext(_EXT_NDARRAY, arr.dtype.str, list(arr.shape), arr.reshape(-1).data)
         raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine")
 
-    def _ext(self, code: int, dtype: str, shape: list[int], raw: Any) -> msgspec.msgpack.Ext:
+    def _ext(
+        self, code: int, dtype: str, shape: list[int], raw: memoryview | bytes
+    ) -> msgspec.msgpack.Ext:
         index = len(self._frames) + 1
         self._frames.append(memoryview(raw).cast("B") if len(raw) else b"")
         return msgspec.msgpack.Ext(code, self._inner.encode((index, dtype, shape)))
 
-    def _ext_hook(self, code: int, data: memoryview) -> Any:
+    def _ext_hook(self, code: int, data: memoryview) -> torch.Tensor | np.ndarray[Any, Any]:
         index, dtype, shape = msgspec.msgpack.decode(data)
         buf = _buffer(self._in_frames[index])
         if code == _EXT_TENSOR:
-            torch = _torch()
+            import torch
+
             torch_dtype = getattr(torch, dtype)
             if not len(buf):
                 return torch.empty(shape, dtype=torch_dtype)
@@ -118,19 +133,20 @@ class Codec:
         raise ValueError(f"unknown extension type {code}")
 
 
-def _buffer(frame: Any) -> Any:
+def _buffer(frame: Frame) -> bytes | memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else frame
 
 
-def _torch() -> Any:
+def _torch() -> types.ModuleType:
     import torch
 
     return torch
 
 
-def _is_tensor(obj: Any) -> bool:
+def _is_tensor(obj: object) -> TypeGuard[torch.Tensor]:
+    """A tensor (without importing torch where no tensor can exist yet)."""
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+    return type(obj).__module__ == "torch" or (torch is not None and isinstance(obj, torch.Tensor))
 
 
 # ---- dataclasses on the wire ---------------------------------------------------
@@ -218,10 +234,15 @@ def pack_output(out: RequestOutput, request_id: str) -> EngineOutput:
         out.stop_reason,
         logprobs,
         out.num_cached_tokens,
-        out.kv_transfer_params,
-        out.ec_transfer_params,
+        _wire_dict(out.kv_transfer_params),
+        _wire_dict(out.ec_transfer_params),
         out.error,
     )
+
+
+def _wire_dict(params: JSONObject | None) -> dict[str, Any] | None:
+    """Transfer params as msgspec encodes them: a dict (they are one already)."""
+    return params if params is None or isinstance(params, dict) else dict(params)
 
 
 def outputs_decoder() -> msgspec.msgpack.Decoder[EngineOutputs]:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -29,6 +29,9 @@ from ec_frontend.entrypoints.http.protocol import HttpLimits, connection_cap, uv
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.server import App, ServerConfig, build_app
 from ec_frontend.errors import StartupError
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.client import EngineClient
 
 log = logging.getLogger("ec_frontend.server")
 
@@ -98,20 +101,23 @@ def mock_config(opts: ServeOptions) -> Any:
     )
 
 
-def build_engine(opts: ServeOptions, spawned: Any = None) -> tuple[Any, str, int]:
+def build_engine(
+    opts: ServeOptions, spawned: EngineProcess | None = None
+) -> tuple[EngineClient[Any], str, int]:
     """``(engine, model_id, max_model_len)`` for the options; ``spawned``: the engine
     interpreter :func:`serve` started ahead for the multiprocess engine."""
     if opts.mock_engine:
-        from ec_frontend.engine.mock import MockEngine
+        from ec_frontend.engine.mock import MockEngine, MockInputs
 
         cfg = mock_config(opts)
         max_len = cfg.max_model_len
         if opts.engine_mode == "multiprocess":
             from ec_frontend.engine.mp_client import MPEngineClient
 
-            engine = MPEngineClient.start(cfg, kind="mock", spawned=spawned)
-            return engine, cfg.model, max_len
-        return MockEngine(cfg), cfg.model, max_len
+            client: EngineClient[Any] = MPEngineClient.start(cfg, kind="mock", spawned=spawned)
+            return client, cfg.model, max_len
+        engine: EngineClient[MockInputs] = MockEngine(cfg)
+        return engine, cfg.model, max_len
     from ec_frontend.engine.builder import create_engine
 
     return create_engine(opts, spawned)
@@ -172,7 +178,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-EngineFactory = Callable[[ServeOptions], tuple[Any, str, int]]
+EngineFactory = Callable[[ServeOptions], tuple["EngineClient[Any]", str, int]]
 
 
 def serve(

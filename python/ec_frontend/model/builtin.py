@@ -156,7 +156,12 @@ def write_builtin_checkpoint(directory: Path) -> None:
     """Write every file of the built-in checkpoint into ``directory`` (which must exist)."""
     tokenizer = build_tokenizer()
     vocab_size = _round_up(tokenizer.get_vocab_size(with_added_tokens=True), 64)
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(tok)
+        if token_id is None:
+            raise RuntimeError(f"the built-in tokenizer has no {tok!r}")
+        ids[tok] = token_id
     config = _model_config(vocab_size, ids)
     _write_json(directory / "config.json", config)
     _write_json(

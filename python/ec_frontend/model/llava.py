@@ -11,7 +11,7 @@ patches with a merge size of 1. Features come from hidden layer
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.qwen2_text import TextModelConfig, decoder_config
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class LlavaVisionTower(nn.Module):
@@ -49,7 +52,8 @@ class LlavaVisionTower(nn.Module):
         features = out.hidden_states[self.feature_layer]
         if self.drop_cls:
             features = features[:, 1:]
-        return self.multi_modal_projector(features)
+        projected: torch.Tensor = self.multi_modal_projector(features)
+        return projected
 
 
 class LlavaModel(Qwen2VLModel):
@@ -72,7 +76,7 @@ class LlavaModel(Qwen2VLModel):
         return list(out)
 
 
-def llama_text_config(config: Any) -> TextModelConfig:
+def llama_text_config(config: PretrainedConfig) -> TextModelConfig:
     """The Llama decoder of a LLaVA config; :class:`ModelLoadError` for what it cannot run."""
     text = config.text_config
     rope = dict(text.rope_parameters or {})

@@ -15,7 +15,7 @@ pixels (merge size 1), in ``ec_transfer_params`` and ``image_embeds`` references
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,12 +25,15 @@ from ec_frontend.model.llava import LlavaVisionTower, llama_text_config
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def _pinpoints(config: Any) -> list[tuple[int, int]]:
+
+def _pinpoints(config: PretrainedConfig) -> list[tuple[int, int]]:
     return [(int(h), int(w)) for h, w in config.image_grid_pinpoints]
 
 
-def anyres_image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
+def anyres_image_tokens(config: PretrainedConfig, grid_thw: tuple[int, int, int]) -> int:
     """Placeholder tokens of an image of ``grid_thw = (1, height, width)`` pixels: the
     base tile, the unpadded tile map and one newline per row of it."""
     _, height, width = grid_thw
@@ -39,7 +42,7 @@ def anyres_image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
     return n * n + rows * cols + rows
 
 
-def unpadded_feature_map(config: Any, height: int, width: int) -> tuple[int, int]:
+def unpadded_feature_map(config: PretrainedConfig, height: int, width: int) -> tuple[int, int]:
     """``(rows, cols)`` of the tiles' feature map of an image of this size once its
     padding is cut off (``unpad_image``)."""
     from transformers.image_processing_utils import select_best_resolution
@@ -78,7 +81,8 @@ class LlavaNextVisionTower(LlavaVisionTower):
         from transformers.image_processing_utils import select_best_resolution
 
         best_h, best_w = select_best_resolution((height, width), self.pinpoints)
-        return (best_h // self.tile_size) * (best_w // self.tile_size) + 1
+        tiles: int = (best_h // self.tile_size) * (best_w // self.tile_size) + 1
+        return tiles
 
     def forward(  # type: ignore[override]
         self, pixel_values: torch.Tensor, sizes: list[tuple[int, int]], tiles: list[int]
@@ -127,7 +131,10 @@ class LlavaNextModel(Qwen2VLModel):
                 f"pixel_values has shape {tuple(pixel_values.shape)}; the images' sizes make "
                 f"{sum(tiles)} tiles"
             )
-        return vision(pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles)
+        features: list[torch.Tensor] = vision(
+            pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles
+        )
+        return features
 
 
 FAMILY = ModelFamily(

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,11 +41,14 @@ from ec_frontend.model.llava import LlavaVisionTower
 from ec_frontend.model.llava_next import FAMILY as LLAVA_NEXT
 from ec_frontend.model.llava_next import LlavaNextVisionTower, unpadded_feature_map
 from ec_frontend.model.media import decode_image
-from ec_frontend.model.native_preprocess import count_preprocessed
+from ec_frontend.model.native_preprocess import DeferredImage, count_preprocessed
 from ec_frontend.model.processor import InputProcessor, MediaLike
 from ec_frontend.model.qwen2_text import TextModelConfig, decoder_config
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: The grid's first entry of an image encoded alone (anyres tiles).
 ALONE = 1
@@ -59,7 +62,7 @@ def several_images_hash(mm_hash: str) -> str:
     return hashlib.sha256(b"llava_onevision/one-of-several/" + mm_hash.encode()).hexdigest()
 
 
-def max_tiles(config: Any) -> int:
+def max_tiles(config: PretrainedConfig) -> int:
     """``N`` of ``vision_aspect_ratio = "anyres_max_N"``."""
     value = str(config.vision_aspect_ratio)
     digits = value.removeprefix("anyres_max_")
@@ -78,7 +81,7 @@ def _pooled(rows: int, cols: int, n: int, most: int) -> tuple[int, int]:
     return rows, cols
 
 
-def image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
+def image_tokens(config: PretrainedConfig, grid_thw: tuple[int, int, int]) -> int:
     """Placeholder tokens (= encoder output rows) of an image of grid ``(mode, height,
     width)``; :class:`InputError` for a mode that is neither."""
     mode, height, width = grid_thw
@@ -95,7 +98,7 @@ def image_tokens(config: Any, grid_thw: tuple[int, int, int]) -> int:
     return n * n + rows * cols + rows
 
 
-def qwen2_text_config(config: Any) -> TextModelConfig:
+def qwen2_text_config(config: PretrainedConfig) -> TextModelConfig:
     """The Qwen2 decoder of a LLaVA-OneVision config (q/k/v biases, 1-D RoPE)."""
     text = config.text_config
     rope = dict(getattr(text, "rope_parameters", None) or {})
@@ -184,7 +187,10 @@ class LlavaOnevisionModel(Qwen2VLModel):
                 f"pixel_values has shape {tuple(pixel_values.shape)}; the images' grids make "
                 f"{sum(tiles)} tiles"
             )
-        return vision(pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles, modes)
+        features: list[torch.Tensor] = vision(
+            pixel_values.to(device=self.device, dtype=self.dtype), sizes, tiles, modes
+        )
+        return features
 
 
 class LlavaOnevisionInputProcessor(InputProcessor):
@@ -205,7 +211,7 @@ class LlavaOnevisionInputProcessor(InputProcessor):
 
     def _images(
         self, media: Sequence[MediaLike], order: Sequence[int], size: dict[str, int] | None
-    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, DeferredImage | None]]:
         if len(order) < 2:
             return super()._images(media, order, size)
         return self._several(media, order)
@@ -219,7 +225,7 @@ class LlavaOnevisionInputProcessor(InputProcessor):
 
     def _several(
         self, media: Sequence[MediaLike], order: Sequence[int]
-    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, DeferredImage | None]]:
         """The images of a prompt with several, through the image processor in one call
         (each distinct image once, however often the prompt shows it)."""
         first: dict[str, int] = {}
@@ -255,7 +261,7 @@ class LlavaOnevisionInputProcessor(InputProcessor):
             sizes = processed["image_sizes"].tolist()[: len(decoded)]
             for k, (mm_hash, (h, w)) in enumerate(zip(first, sizes, strict=True)):
                 pixels[mm_hash] = (ONE_OF_SEVERAL, int(h), int(w)), values[k, :1]
-        out: list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]] = []
+        out: list[tuple[str, tuple[int, int, int], torch.Tensor | None, DeferredImage | None]] = []
         for i in order:
             item = media[i]
             reference = getattr(item, "image_grid_thw", None)

@@ -40,7 +40,7 @@ from ec_frontend.model.builtin import ensure_builtin_checkpoint
 from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.paged_attention import resolve_backend
 from ec_frontend.model.processor import InputProcessor
-from ec_frontend.model.qwen2_text import TextModelConfig
+from ec_frontend.model.qwen2_text import TextShape
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, family_for
 
@@ -168,12 +168,13 @@ def load_config(path: str | Path) -> PretrainedConfig:
         raise ModelLoadError(f"{directory}/config.json is not a JSON object")
     family_for(raw)
     try:
-        return AutoConfig.from_pretrained(directory)
+        config: PretrainedConfig = AutoConfig.from_pretrained(directory)
+        return config
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{directory}/config.json is not a valid config: {exc}") from None
 
 
-def text_model_config(config: PretrainedConfig) -> TextModelConfig:
+def text_model_config(config: PretrainedConfig) -> TextShape:
     """The language-model shape of a checkpoint config of a registered family."""
     return family_for(config).text_config(config)
 
@@ -213,12 +214,12 @@ def load_model(
     except ValueError as exc:
         raise ModelLoadError(f"{family.name} config: {exc}") from None
 
-    parts: dict[str, nn.Module] = {}
     with parameters_on_meta():
-        if load_vision:
-            parts["vision"] = family.build_vision(config)
-        if load_language:
-            parts["language"] = family.build_language(text_cfg)
+        vision = family.build_vision(config) if load_vision else None
+        language = family.build_language(text_cfg) if load_language else None
+    parts: dict[str, nn.Module] = {
+        name: part for name, part in (("vision", vision), ("language", language)) if part
+    }
     if load_format == "dummy":
         gen = torch.Generator().manual_seed(0)
         for module in parts.values():
@@ -228,7 +229,6 @@ def load_model(
         _stream_weights(directory, family, parts, target_device, target_dtype, skip)
     for name, module in parts.items():
         _finish(module, _PART_NAMES[name], target_device)
-    vision, language = parts.get("vision"), parts.get("language")
     if language is not None:
         language.attention_backend = resolve_backend(attention_backend, target_device)
     model_class: type[Qwen2VLModel] = family.model_type()
@@ -237,7 +237,7 @@ def load_model(
         image_token_id=int(config.image_token_id),
         spatial_merge_size=family.spatial_merge_size(config),
         vision=vision,
-        language=language,  # type: ignore[arg-type]
+        language=language,
         device=target_device,
         dtype=target_dtype,
     )

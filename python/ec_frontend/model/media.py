@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import warnings
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ec_frontend import _core
 from ec_frontend.model.errors import InputError
@@ -31,7 +31,7 @@ def _open(data: bytes, index: int, formats: tuple[str, ...]) -> Image.Image:
             return Image.open(io.BytesIO(data), formats=list(formats))
     except Image.DecompressionBombError as exc:
         raise InputError(f"image {index} is too large: {exc}", code="image_too_large") from exc
-    except Image.UnidentifiedImageError as exc:
+    except UnidentifiedImageError as exc:
         allowed = ", ".join(formats)
         raise InputError(
             f"image {index} is not an image in an allowed format ({allowed})",

@@ -29,7 +29,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,8 +38,12 @@ from ec_frontend import _core
 from ec_frontend.metrics import IMAGES_PREPROCESSED
 from ec_frontend.model.errors import InputError
 
+if TYPE_CHECKING:
+    from ec_frontend.model.processor import MultiModalFeature
+
 __all__ = [
     "DISABLE_ENV",
+    "DeferredImage",
     "NativeImagePreprocessor",
     "count_preprocessed",
     "decode_deferred",
@@ -76,6 +80,11 @@ _QWEN_VL_CLASSES = (
 _CLIP_CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast")
 
 
+#: A plain value of a native rule (a keyword argument of ``_core``'s preprocessors).
+RuleValue = str | int | float | tuple[float, ...] | tuple[str, ...] | None
+#: A deferred image: its bytes and its rule's values, sorted by name.
+DeferredImage = tuple[bytes, tuple[tuple[str, RuleValue], ...]]
+
 #: Images (content digest and pixel range) remembered as decoded, per preprocessor.
 KNOWN_IMAGES = 4096
 
@@ -91,11 +100,12 @@ class NativeImagePreprocessor:
         self.spec = spec
         self.rule = spec["rule"]
         kwargs = {k: v for k, v in spec.items() if k not in ("rule", "grid_patch")}
+        self._inner: _core.ClipPreprocessor | _core.QwenVlPreprocessor
         if self.rule == "clip":
             self._inner = _core.ClipPreprocessor(**kwargs)
         else:
             self._inner = _core.QwenVlPreprocessor(**kwargs)
-        self._known: OrderedDict[tuple[bytes, tuple[int, int] | None], tuple[int, int, int]]
+        self._known: OrderedDict[tuple[str, tuple[int, int] | None], tuple[int, int, int]]
         self._known = OrderedDict()
         self._known_lock = threading.Lock()
 
@@ -109,7 +119,7 @@ class NativeImagePreprocessor:
                 self._known.move_to_end(key)
             return grid
 
-    def deferred(self, data: bytes, size: dict[str, int] | None) -> tuple[bytes, tuple[Any, ...]]:
+    def deferred(self, data: bytes, size: dict[str, int] | None) -> DeferredImage:
         """What a feature carries instead of pixels: the bytes and the rule's values
         (with ``size``'s pixel range), for :func:`decode_deferred`."""
         spec = dict(self.spec, **_pixels(size))
@@ -120,7 +130,12 @@ class NativeImagePreprocessor:
         only the checkpoint's own)."""
         return size is None or self.rule == "qwen_vl"
 
-    def _remember(self, images: Sequence[bytes], size: dict[str, int] | None, grids: Any) -> None:
+    def _remember(
+        self,
+        images: Sequence[bytes],
+        size: dict[str, int] | None,
+        grids: Sequence[tuple[int, int, int]],
+    ) -> None:
         with self._known_lock:
             for data, grid in zip(images, grids, strict=True):
                 self._known[_known_key(data, size)] = grid
@@ -131,9 +146,11 @@ class NativeImagePreprocessor:
         self, width: int, height: int, *, size: dict[str, int] | None = None, index: int = 0
     ) -> tuple[int, int, int]:
         """``(t, h, w)`` of a ``width`` x ``height`` image from its size alone."""
-        if self.rule == "clip":
-            patch = self.spec["grid_patch"]
-            return 1, self.spec["crop_height"] // patch, self.spec["crop_width"] // patch
+        if isinstance(self._inner, _core.ClipPreprocessor):
+            patch: int = self.spec["grid_patch"]
+            crop_height: int = self.spec["crop_height"]
+            crop_width: int = self.spec["crop_width"]
+            return 1, crop_height // patch, crop_width // patch
         try:
             return self._inner.grid(width, height, **_pixels(size))
         except _core.ImageError as exc:
@@ -151,22 +168,23 @@ class NativeImagePreprocessor:
         buffer). ``indices`` name the images in errors (their request positions)."""
         if not images:
             return []
+        out: list[tuple[_core.PixelBuffer, tuple[int, ...], tuple[int, int, int]]]
         try:
-            if self.rule == "clip":
+            if isinstance(self._inner, _core.ClipPreprocessor):
                 grid = self.grid(0, 0)
                 out = [(buf, shape, grid) for buf, shape in self._inner.preprocess(list(images))]
             else:
-                out = self._inner.preprocess(list(images), **_pixels(size))
+                out = list(self._inner.preprocess(list(images), **_pixels(size)))
         except _core.ImageError as exc:
             raise _input_error(exc, indices[exc.index]) from exc
         count_preprocessed(len(out))
-        result = [(tuple(grid), _tensor(buf, shape)) for buf, shape, grid in out]
+        result = [(grid, _tensor(buf, shape)) for buf, shape, grid in out]
         self._remember(images, size, [grid for grid, _ in result])
         return result
 
 
-def _tensor(buf: Any, shape: tuple[int, int]) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(shape))
+def _tensor(buf: _core.PixelBuffer, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(memoryview(buf), dtype=np.float32).reshape(shape))
 
 
 def _known_key(data: bytes, size: dict[str, int] | None) -> tuple[str, tuple[int, int] | None]:
@@ -176,16 +194,16 @@ def _known_key(data: bytes, size: dict[str, int] | None) -> tuple[str, tuple[int
     return _core.compute_mm_hash(data), limits
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any) -> RuleValue:
     return tuple(value) if isinstance(value, list | tuple) else value
 
 
 @functools.lru_cache(maxsize=8)
-def _rule(spec: tuple[tuple[str, Any], ...]) -> NativeImagePreprocessor:
+def _rule(spec: tuple[tuple[str, RuleValue], ...]) -> NativeImagePreprocessor:
     return NativeImagePreprocessor({k: list(v) if isinstance(v, tuple) else v for k, v in spec})
 
 
-def decode_deferred(feature: Any) -> bool:
+def decode_deferred(feature: MultiModalFeature) -> bool:
     """Give ``feature`` (a ``MultiModalFeature`` whose image was deferred) its
     ``pixel_values`` now, because the encoder must run on it. False when it has no
     deferred image or the result does not fit its placeholder (logged)."""
@@ -218,7 +236,7 @@ def _pixels(size: dict[str, int] | None) -> dict[str, int]:
     return {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]}
 
 
-def _input_error(exc: Any, index: int) -> InputError:
+def _input_error(exc: _core.ImageError, index: int) -> InputError:
     return InputError(f"image {index} {exc.message}", code=exc.code)
 
 

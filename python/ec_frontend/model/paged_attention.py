@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ec_frontend.config import ATTENTION_BACKENDS, ConfigError
+from ec_frontend.config import ATTENTION_BACKENDS
+from ec_frontend.errors import ConfigError
 from ec_frontend.model.interface import AttentionMetadata
 
 #: ``sdpa``: 4-D fused-kernel calls (the default on the CPU); ``gather``: the previous

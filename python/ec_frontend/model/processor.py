@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from jinja2 import TemplateError
@@ -33,7 +33,11 @@ from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
 from ec_frontend.model.errors import InputError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, decode_image
 from ec_frontend.model.mrope import prompt_positions
-from ec_frontend.model.native_preprocess import count_preprocessed, native_preprocessor_for
+from ec_frontend.model.native_preprocess import (
+    DeferredImage,
+    count_preprocessed,
+    native_preprocessor_for,
+)
 from ec_frontend.model.registry import PositionSpec
 
 __all__ = [
@@ -79,7 +83,7 @@ class MultiModalFeature:
     length: int
     image_grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None
-    deferred: tuple[bytes, tuple[Any, ...]] | None = None
+    deferred: DeferredImage | None = None
 
 
 @dataclass(slots=True)
@@ -213,7 +217,8 @@ class InputProcessor:
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
+        eos: int | None = self.tokenizer.eos_token_id
+        return eos
 
     def process_chat(
         self,
@@ -384,32 +389,27 @@ class InputProcessor:
 
     def _images(
         self, media: Sequence[MediaLike], order: Sequence[int], size: dict[str, int] | None
-    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, Any]]:
+    ) -> list[tuple[str, tuple[int, int, int], torch.Tensor | None, DeferredImage | None]]:
         """``(mm_hash, grid, pixel_values, deferred)`` of the images ``order`` names:
         inline images through the native path in one parallel call when there is one
         (images it decoded before are deferred, not decoded), else one by one through
         transformers' processor."""
         inline = [i for i in order if getattr(media[i], "image_grid_thw", None) is None]
         native = self.native
-        if (
-            native is None
-            or not native.covers(size)
-            or not inline
-            or any(media[i].data is None for i in inline)
-        ):
+        data = {i: b for i in inline if (b := media[i].data) is not None}
+        if native is None or not native.covers(size) or not inline or len(data) < len(inline):
             return [(*self._image(media[i], i, size), None) for i in order]
         known = {
-            i: native.known(media[i].data, size) if self.defer_known_images else None
-            for i in inline
+            i: native.known(data[i], size) if self.defer_known_images else None for i in inline
         }
         decode = [i for i in inline if known[i] is None]
-        done = native.preprocess([media[i].data for i in decode], decode, size=size)
-        ready: dict[int, tuple[tuple[int, int, int], torch.Tensor | None, Any]] = {
+        done = native.preprocess([data[i] for i in decode], decode, size=size)
+        ready: dict[int, tuple[tuple[int, int, int], torch.Tensor | None, DeferredImage | None]] = {
             i: (grid, pixels, None) for i, (grid, pixels) in zip(decode, done, strict=True)
         }
         for i, grid in known.items():
             if grid is not None:
-                ready[i] = (grid, None, native.deferred(media[i].data, size))
+                ready[i] = (grid, None, native.deferred(data[i], size))
         return [
             (media[i].mm_hash, *ready[i]) if i in ready else (*self._image(media[i], i, size), None)
             for i in order
@@ -497,8 +497,9 @@ def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:
     low = size.get("shortest_edge") or getattr(image_processor, "min_pixels", None)
     high = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
     crop = getattr(image_processor, "crop_size", None)
-    crop_hw = [crop.get(k) if isinstance(crop, Mapping) else getattr(crop, k, None)
-               for k in ("height", "width")]  # fmt: skip
+    # Values of the checkpoint's transformers processor: whatever its config holds.
+    crop_hw: list[Any] = [crop.get(k) if isinstance(crop, Mapping) else getattr(crop, k, None)
+                          for k in ("height", "width")]  # fmt: skip
     if not high and not all(crop_hw) and "height" in size:
         # A tiling processor (anyres without a crop): tiles of a fixed size.
         crop_hw = [size.get("height"), size.get("width")]
@@ -583,7 +584,7 @@ def _generate_features(
     return out
 
 
-def _placeholder(place: Any, i: int) -> tuple[int, int]:
+def _placeholder(place: object, i: int) -> tuple[int, int]:
     if isinstance(place, Mapping):
         offset, length = place.get("offset"), place.get("length")
         if _is_int(offset) and _is_int(length) and offset >= 0 and length > 0:
@@ -594,7 +595,7 @@ def _placeholder(place: Any, i: int) -> tuple[int, int]:
     )
 
 
-def _grid(grid: Any, i: int, merge: int) -> tuple[int, int, int]:
+def _grid(grid: object, i: int, merge: int) -> tuple[int, int, int]:
     if isinstance(grid, Sequence) and len(grid) == 3 and all(_is_int(v) and v > 0 for v in grid):
         t, h, w = grid
         if h % merge == 0 and w % merge == 0:
@@ -606,5 +607,5 @@ def _grid(grid: Any, i: int, merge: int) -> tuple[int, int, int]:
     )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

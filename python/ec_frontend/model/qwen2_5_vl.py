@@ -9,14 +9,17 @@ image positions are Qwen2-VL's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ec_frontend.model.qwen2_text import qwen2_text_config
 from ec_frontend.model.qwen2_vl import QWEN_VL_WEIGHT_PREFIXES
 from ec_frontend.model.registry import ModelFamily, PositionSpec
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def positions(config: Any) -> PositionSpec:
+
+def positions(config: PretrainedConfig) -> PositionSpec:
     section = qwen2_text_config(config).mrope_section
     interval = float(getattr(config.vision_config, "tokens_per_second", 1) or 1)
     return PositionSpec("mrope", section, time_interval=interval)

@@ -15,7 +15,7 @@ memory stay those of the separate layers. Q and K are rotated together.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,42 @@ from ec_frontend.model.paged_attention import (
     write_kv,
 )
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class TextShape(Protocol):
+    """What the decoder and the loaded model read of a language model's shape:
+    :class:`TextModelConfig`, or a family's own (Qwen3-VL's adds DeepStack)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def mrope_section(self) -> tuple[int, int, int]: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    def validate(self) -> None:
+        """Raise ``ValueError`` for a shape the decoder cannot run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +106,7 @@ class TextModelConfig:
             )
 
 
-def qwen2_text_config(config: Any) -> TextModelConfig:
+def qwen2_text_config(config: PretrainedConfig) -> TextModelConfig:
     """The language-model shape of a Qwen2-VL style checkpoint config (its
     ``text_config``: a Qwen2 decoder with M-RoPE); :class:`ModelLoadError` for a
     shape this decoder does not run."""
@@ -91,7 +126,7 @@ def qwen2_text_config(config: Any) -> TextModelConfig:
 
 
 def decoder_config(
-    config: Any,
+    config: PretrainedConfig,
     *,
     rope_theta: float,
     mrope_section: tuple[int, int, int],
@@ -207,7 +242,7 @@ class FusedLinears:
             row += rows
         return True
 
-    def _fuse(self) -> None:
+    def _fuse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.no_grad():
             weight = torch.cat([layer.weight for layer in self.layers])
             has_bias = all(layer.bias is not None for layer in self.layers)
@@ -220,17 +255,19 @@ class FusedLinears:
                     layer.bias.data = bias[row : row + rows]
                 row += rows
         self.weight, self.bias = weight, bias
+        return weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._fused():
-            self._fuse()
-        if self.bias is None and any(layer.bias is not None for layer in self.layers):
+        weight, bias = self.weight, self.bias
+        if weight is None or not self._fused():
+            weight, bias = self._fuse()
+        if bias is None and any(layer.bias is not None for layer in self.layers):
             return torch.cat([layer(x) for layer in self.layers], dim=-1)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, weight, bias)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TextModelConfig) -> None:
+    def __init__(self, cfg: TextShape) -> None:
         super().__init__()
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -259,11 +296,12 @@ class Attention(nn.Module):
         v = qkv[:, heads + kv_heads :]
         write_kv(kv_cache, k, v, slots)
         out = paged_attention(q, k, v, kv_cache, layout, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: TextModelConfig) -> None:
+    def __init__(self, cfg: TextShape) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -273,11 +311,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         size = gate_up.shape[-1] // 2
-        return self.down_proj(F.silu(gate_up[..., :size]) * gate_up[..., size:])
+        down: torch.Tensor = self.down_proj(F.silu(gate_up[..., :size]) * gate_up[..., size:])
+        return down
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, attention: type[nn.Module] = Attention) -> None:
+    def __init__(self, cfg: TextShape, attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = attention(cfg)
@@ -293,7 +332,8 @@ class DecoderLayer(nn.Module):
         slots: torch.Tensor,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, layout, slots)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
 
 
 class Qwen2TextModel(nn.Module):
@@ -302,7 +342,7 @@ class Qwen2TextModel(nn.Module):
     #: The decoder layers' attention (a family with another one sets its own).
     attention: type[nn.Module] = Attention
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: TextShape) -> None:
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -331,7 +371,8 @@ class Qwen2TextModel(nn.Module):
         h = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, rope, kv_cache, layout, slots)
-        return self.norm(h)
+        normed: torch.Tensor = self.norm(h)
+        return normed
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

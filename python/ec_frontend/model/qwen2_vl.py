@@ -12,14 +12,17 @@ raises :class:`ComponentNotLoadedError`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel
-from ec_frontend.model.qwen2_text import Qwen2TextModel, TextModelConfig, qwen2_text_config
+from ec_frontend.model.qwen2_text import Qwen2TextModel, TextShape, qwen2_text_config
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: Checkpoint name prefixes of Qwen-VL families: the Hub layout (``visual.*``,
 #: ``model.layers.*``) and the layout of ``transformers`` 5 (``model.visual.*``,
@@ -33,7 +36,7 @@ QWEN_VL_WEIGHT_PREFIXES = (
 )
 
 
-def qwen_mrope_positions(config: Any) -> PositionSpec:
+def qwen_mrope_positions(config: PretrainedConfig) -> PositionSpec:
     """Contiguous M-RoPE sections of a Qwen-VL text config."""
     return PositionSpec("mrope", qwen2_text_config(config).mrope_section)
 
@@ -60,7 +63,7 @@ class Qwen2VLModel(VisionLanguageModel):
     def __init__(
         self,
         *,
-        text_config: TextModelConfig,
+        text_config: TextShape,
         image_token_id: int,
         spatial_merge_size: int,
         vision: nn.Module | None,
@@ -120,7 +123,8 @@ class Qwen2VLModel(VisionLanguageModel):
 
     def _encoder_rows(self, out: Any) -> torch.Tensor:
         """The ``[tokens, encoder_output_size]`` rows of all images from the tower's output."""
-        return out.pooler_output
+        rows: torch.Tensor = out.pooler_output
+        return rows
 
     @torch.no_grad()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -145,7 +149,8 @@ class Qwen2VLModel(VisionLanguageModel):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        return self._language()(inputs_embeds, positions, kv_caches, attn_metadata)
+        hidden: torch.Tensor = self._language()(inputs_embeds, positions, kv_caches, attn_metadata)
+        return hidden
 
     def decode_graphs_supported(self) -> bool:
         # The triton backend reads each decode's context through its block table up to

@@ -22,7 +22,7 @@ states as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from ec_frontend.model.paged_attention import PagedLayout, build_layout, paged_a
 from ec_frontend.model.qwen2_text import Qwen2TextModel, RMSNorm, rotate
 from ec_frontend.model.qwen2_vl import QWEN_VL_WEIGHT_PREFIXES, Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -73,7 +76,7 @@ class Qwen3TextConfig:
             )
 
 
-def qwen3_text_config(config: Any) -> Qwen3TextConfig:
+def qwen3_text_config(config: PretrainedConfig) -> Qwen3TextConfig:
     """The decoder shape of a Qwen3-VL config; :class:`ModelLoadError` for what it cannot run."""
     text, vision = config.text_config, config.vision_config
     rope = dict(text.rope_parameters or {})
@@ -147,7 +150,8 @@ class Qwen3Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, slots)
         out = paged_attention(q, k, v, kv_cache, layout, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return projected
 
 
 class Qwen3TextModel(Qwen2TextModel):
@@ -158,6 +162,7 @@ class Qwen3TextModel(Qwen2TextModel):
     """
 
     attention = Qwen3Attention
+    cfg: Qwen3TextConfig
 
     def __init__(self, cfg: Qwen3TextConfig) -> None:
         super().__init__(cfg)
@@ -186,12 +191,15 @@ class Qwen3TextModel(Qwen2TextModel):
             h = layer(h, rope, kv_cache, layout, slots)
             if i < self.cfg.num_deepstack:
                 h = h + deepstack[:, i]
-        return self.norm(h)
+        normed: torch.Tensor = self.norm(h)
+        return normed
 
 
 class Qwen3VLModel(Qwen2VLModel):
     """A loaded Qwen3-VL checkpoint: its tower's merged tokens and DeepStack features
     travel as one encoder output row per placeholder token."""
+
+    text_config: Qwen3TextConfig
 
     @property
     def encoder_output_size(self) -> int:
@@ -201,7 +209,7 @@ class Qwen3VLModel(Qwen2VLModel):
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
 
-def positions(config: Any) -> PositionSpec:
+def positions(config: PretrainedConfig) -> PositionSpec:
     return PositionSpec("mrope", qwen3_text_config(config).mrope_section, interleaved=True)
 
 

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
-    from ec_frontend.model.qwen2_text import TextModelConfig
+    from ec_frontend.model.processor import InputProcessor
+    from ec_frontend.model.qwen2_text import Qwen2TextModel, TextShape
+    from ec_frontend.model.qwen2_vl import Qwen2VLModel
 
 __all__ = [
     "FAMILIES",
@@ -126,7 +128,7 @@ class ModelFamily:
     architectures: tuple[str, ...]
     vision_tower: str
     weight_prefixes: tuple[tuple[str, str, str], ...]
-    text_config: Callable[[PretrainedConfig], TextModelConfig]
+    text_config: Callable[[PretrainedConfig], TextShape]
     positions: Callable[[PretrainedConfig], PositionSpec]
     vision_builder: Callable[[PretrainedConfig], nn.Module] | None = None
     model_class: str = "ec_frontend.model.qwen2_vl:Qwen2VLModel"
@@ -141,18 +143,24 @@ class ModelFamily:
             return self.vision_builder(config)
         import torch
 
-        return _import(self.vision_tower)._from_config(config.vision_config, dtype=torch.float32)
+        tower: nn.Module = _import(self.vision_tower)._from_config(
+            config.vision_config, dtype=torch.float32
+        )
+        return tower
 
-    def build_language(self, text_config: Any) -> nn.Module:
+    def build_language(self, text_config: TextShape) -> Qwen2TextModel:
         """The paged decoder of the family for ``text_config`` (from :attr:`text_config`)."""
-        return _import(self.language_model)(text_config)
+        decoder: type[Qwen2TextModel] = _import(self.language_model)
+        return decoder(text_config)
 
-    def model_type(self) -> type:
-        return _import(self.model_class)
+    def model_type(self) -> type[Qwen2VLModel]:
+        model_class: type[Qwen2VLModel] = _import(self.model_class)
+        return model_class
 
-    def processor_type(self) -> type:
+    def processor_type(self) -> type[InputProcessor]:
         """The :class:`~ec_frontend.model.processor.InputProcessor` class of the family."""
-        return _import(self.input_processor)
+        processor: type[InputProcessor] = _import(self.input_processor)
+        return processor
 
     def spatial_merge_size(self, config: PretrainedConfig) -> int:
         if self.merge_size is not None:
@@ -200,9 +208,13 @@ def family_for(config: PretrainedConfig | Mapping[str, Any]) -> ModelFamily:
 
 
 def _import(target: str) -> Any:
+    """The object ``"module:attr"`` names (its type is the caller's to declare)."""
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
 def _load(module: str) -> ModelFamily:
-    return importlib.import_module(module).FAMILY
+    family = importlib.import_module(module).FAMILY
+    if not isinstance(family, ModelFamily):
+        raise TypeError(f"{module}.FAMILY is a {type(family).__name__}, not a ModelFamily")
+    return family

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hmac
 import re
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from starlette.requests import Request
@@ -131,7 +131,7 @@ class FrontMiddleware:
         self,
         app: ASGIApp,
         state: FrontState,
-        routes: dict[str, Handler],
+        routes: Mapping[str, Handler],
         on_error: Callable[[Exception], Response],
     ) -> None:
         self.app = app

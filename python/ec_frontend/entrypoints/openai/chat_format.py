@@ -9,7 +9,7 @@ choice's ``finish_reason``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, overload
 
 import orjson
 
@@ -34,6 +34,12 @@ def _chat_logprob_entry(tokenizer: Any, lp: Any) -> dict[str, Any]:
     }
 
 
+@overload
+def chat_logprobs(tokenizer: Any, logprobs: list[Any]) -> dict[str, Any]: ...
+@overload
+def chat_logprobs(tokenizer: Any, logprobs: None) -> None: ...
+@overload
+def chat_logprobs(tokenizer: Any, logprobs: list[Any] | None) -> dict[str, Any] | None: ...
 def chat_logprobs(tokenizer: Any, logprobs: list[Any] | None) -> dict[str, Any] | None:
     if logprobs is None:
         return None

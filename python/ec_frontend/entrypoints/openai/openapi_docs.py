@@ -108,7 +108,7 @@ class GenerateSampling(_Doc):
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(1, description="Must be 1.")
+    n: int = Field(default=1, description="Must be 1.")
     logprobs: int | None = None
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -54,6 +54,9 @@ from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.responses_api import response_body, response_stream
 from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
 from ec_frontend.metrics import ServerMetrics, render
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.client import EngineClient
 
 T = TypeVar("T")
 log = logging.getLogger("ec_frontend.server")
@@ -124,7 +127,7 @@ def handle_error(exc: Exception) -> Response:
 class App:
     """Holds the engine, the serving core and the server state behind the routes."""
 
-    def __init__(self, engine: Any, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient[Any], config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics()
@@ -152,7 +155,7 @@ class App:
             ),
             self.metrics,
         )
-        processor = getattr(engine, "processor", None)
+        processor = engine.processor
         if hasattr(processor, "configure_media"):
             processor.configure_media(
                 max_image_pixels=limits.max_image_pixels,
@@ -358,12 +361,12 @@ class App:
         return self.json(orjson.dumps({"object": "list", "data": data}))
 
     async def health(self, request: Request) -> Response:
-        if getattr(self.engine, "is_running", True) is False:
+        if not self.engine.is_running:
             raise APIError(503, "the engine has stopped", code="engine_dead")
         return self.json(b'{"status":"ok"}')
 
     async def metrics_route(self, request: Request) -> Response:
-        stats = self.engine.stats() if hasattr(self.engine, "stats") else None
+        stats = self.engine.stats()
         return Response(
             render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
@@ -431,7 +434,7 @@ async def _handle_error(request: Request, exc: Exception) -> Response:
     return handle_error(exc)
 
 
-def build_app(engine: Any, config: ServerConfig) -> tuple[Any, App]:
+def build_app(engine: EngineClient[Any], config: ServerConfig) -> tuple[FrontMiddleware, App]:
     """The ASGI app (middleware around FastAPI) and the :class:`App` behind it."""
     core = App(engine, config)
     api = FastAPI(

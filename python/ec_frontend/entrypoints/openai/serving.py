@@ -24,7 +24,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.connectors.ec_item_params import ec_items_problem
@@ -42,6 +42,9 @@ from ec_frontend.entrypoints.openai.limits import (
 from ec_frontend.entrypoints.openai.sampling import bad_words_token_ids, build_sampling_params
 from ec_frontend.entrypoints.openai.structured import StructuredCompiler
 from ec_frontend.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from ec_frontend.engine.client import EngineClient, OutputStream
 
 T = TypeVar("T")
 
@@ -72,7 +75,9 @@ _PARAM_OF_CODE = {"invalid_processor_kwargs": "mm_processor_kwargs", "invalid_fe
 class Serving:
     """Runs parsed requests on an engine; shared by all endpoints."""
 
-    def __init__(self, engine: Any, config: ServingConfig, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: EngineClient[Any], config: ServingConfig, metrics: ServerMetrics
+    ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
@@ -430,8 +435,7 @@ class Serving:
             )
 
     def _unique_id(self, rid: str) -> str:
-        holds = getattr(self.engine, "holds_request", None)
-        while rid in self._active or (holds is not None and holds(rid)):
+        while rid in self._active or self.engine.holds_request(rid):
             rid = f"{rid}-{new_id()[:8]}"
         self._active.add(rid)
         return rid
@@ -451,7 +455,7 @@ class Serving:
             loop = asyncio.get_running_loop()
             loop.call_later(_ABORTED_ID_HOLD_S, self._active.discard, request_id)
 
-    def _start(self, job: Job) -> Any:
+    def _start(self, job: Job) -> OutputStream:
         job.started = True
         return self.engine.add_request(job.request_id, job.inputs, job.params, group=job.group)
 

@@ -369,7 +369,12 @@ def chat_message(
 ) -> tuple[dict[str, Any], str | None]:
     """A non-stream chat ``message`` and its ``finish_reason``."""
     if plan is None:
-        message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "tool_calls": [],
+        }
         return message, finish_reason
     content, calls = HermesParser().extract(text)
     message = {
@@ -497,7 +502,7 @@ class ResponseToolItems:
         if self._open is None:
             n = sum(item["type"] == "message" for item in self.items)
             msg_id = f"msg_{self._request_id}" + (f"_{n}" if n else "")
-            item = {
+            item: dict[str, Any] = {
                 "type": "message",
                 "id": msg_id,
                 "status": "in_progress",

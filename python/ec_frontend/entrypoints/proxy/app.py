@@ -226,7 +226,9 @@ def _image_parts(body: dict[str, Any]) -> Iterator[tuple[list[Any], int, dict[st
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
-        for i, part in enumerate(content if isinstance(content, list) else ()):
+        if not isinstance(content, list):
+            continue
+        for i, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 yield content, i, part
 
