@@ -28,6 +28,7 @@ from ec_frontend.engine.core_proc import EngineProcess
 from ec_frontend.entrypoints.http_protocol import HttpLimits, connection_cap, uvicorn_http_settings
 from ec_frontend.entrypoints.limits import ResourceLimits
 from ec_frontend.entrypoints.server import App, ServerConfig, build_app
+from ec_frontend.media import MediaFetchConfig
 
 log = logging.getLogger("ec_frontend.server")
 
@@ -83,6 +84,8 @@ class ServeOptions:
     #: API server (frontend) processes sharing the listening socket
     #: (``entrypoints/api_servers.py``); 1 serves from this process.
     api_server_count: int = 1
+    #: Media by URL (``docs/security.md``, "Media by URL"); ``None``: URLs are refused.
+    media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
 
 
 class StartupError(Exception):
@@ -234,6 +237,7 @@ def serve(
         public_docs=opts.public_docs,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         tool_call_parser=opts.tool_call_parser,
+        media=opts.media,
     )
     app, core = build_app(engine, config)
     if wrap_app is not None:

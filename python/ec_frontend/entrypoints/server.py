@@ -49,6 +49,7 @@ from ec_frontend.entrypoints.openai_format import (
 )
 from ec_frontend.entrypoints.responses_api import response_body, response_stream
 from ec_frontend.entrypoints.serving import Serving, ServingConfig
+from ec_frontend.media import FetchMetrics, MediaFetchConfig, MediaFetcher
 from ec_frontend.metrics import ServerMetrics, render
 
 T = TypeVar("T")
@@ -86,6 +87,8 @@ class ServerConfig:
     #: ``--enable-auto-tool-choice`` / ``--tool-call-parser``.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: Media by URL (``--allowed-media-domains`` ...); ``None``: URL items are refused.
+    media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -135,6 +138,11 @@ class App:
         self.limits = Limits(
             max_body_bytes=config.max_body_bytes, max_media_items=limits.max_media_items
         )
+        fetcher = None
+        if config.media is not None and config.media.enabled:
+            fetch_metrics = FetchMetrics()
+            self.metrics.extra.append(fetch_metrics)
+            fetcher = MediaFetcher(config.media, metrics=fetch_metrics)
         self.serving = Serving(
             engine,
             ServingConfig(
@@ -145,8 +153,10 @@ class App:
                 limits=limits,
                 enable_auto_tool_choice=config.enable_auto_tool_choice,
                 tool_call_parser=config.tool_call_parser,
+                model_id=config.model_id,
             ),
             self.metrics,
+            fetcher,
         )
         processor = getattr(engine, "processor", None)
         if hasattr(processor, "configure_media"):
