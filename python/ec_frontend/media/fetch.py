@@ -206,11 +206,11 @@ class MediaFetcher:
         first_scheme = current.scheme
         for hop in range(self.config.max_redirects + 1):
             if hop:
-                check_url(str(current), self.config)
                 if current.scheme not in ("http", "https"):
                     raise refused(f"the media URL redirects to a {current.scheme}: URL", "scheme")
                 if first_scheme == "https" and current.scheme == "http":
                     raise refused("the media URL redirects from https to http", "scheme")
+                check_url(str(current), self.config)
             addresses = await self._addresses(current)
             result = await self._get(current, addresses, budget)
             if isinstance(result, httpx.URL):
