@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +55,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         origin = self.server.origin
         path = self.path.split("?", 1)[0]
         with origin.lock:
@@ -66,10 +66,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             route = origin.routes.get(path)
         if route is None:
             route = Route(b"not found", status=404, content_type="text/plain")
-        try:
+        with suppress(BrokenPipeError, ConnectionResetError):
             self._answer(route)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
     def _answer(self, route: Route) -> None:
         self.send_response(route.status)

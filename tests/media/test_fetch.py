@@ -238,8 +238,8 @@ def test_an_allowed_redirect_is_followed_and_re_resolved(public: Origin) -> None
 @pytest.mark.parametrize(
     ("route", "code", "reason"),
     [
-        (Route(b"nope", status=404, content_type="text/plain"), "media_fetch_failed", "http_status"),
-        (Route(b"oops", status=500, content_type="text/plain"), "media_fetch_failed", "http_status"),
+        (Route(b"nope", status=404, content_type=None), "media_fetch_failed", "http_status"),
+        (Route(b"oops", status=500, content_type=None), "media_fetch_failed", "http_status"),
         (Route(b"<html>", content_type="text/html"), "invalid_media_content_type", "content_type"),
         (
             Route(png(), headers={"Content-Encoding": "gzip"}),

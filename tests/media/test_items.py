@@ -66,9 +66,7 @@ def local() -> Any:
 
 
 def fetcher(**kw: Any) -> MediaFetcher:
-    return MediaFetcher(
-        MediaFetchConfig(allowed_networks=parse_networks("127.0.0.0/8"), **kw)
-    )
+    return MediaFetcher(MediaFetchConfig(allowed_networks=parse_networks("127.0.0.0/8"), **kw))
 
 
 @pytest.mark.parametrize(

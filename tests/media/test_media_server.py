@@ -40,12 +40,11 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(builtin_model_dir: Path, media_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        ["--model", str(builtin_model_dir), "--device", "cpu", "--max-model-len", "1024",
-         "--served-model-name", MODEL, "--allowed-media-networks", "127.0.0.0/8",
-         "--media-fetch-timeout", "2", "--max-media-item-bytes", str(ITEM_CAP),
-         "--allowed-local-media-path", str(media_dir)]  # fmt: skip
-    )
+    args = ["--model", str(builtin_model_dir), "--device", "cpu", "--max-model-len", "1024",
+            "--served-model-name", MODEL, "--allowed-media-networks", "127.0.0.0/8",
+            "--media-fetch-timeout", "2", "--max-media-item-bytes", str(ITEM_CAP),
+            "--allowed-local-media-path", str(media_dir)]  # fmt: skip
+    proc = ServerProcess(args)
     yield proc
     assert proc.stop() == 0
 
