@@ -126,6 +126,9 @@ class MediaFetcher:
         self.cache = MediaCache(config.cache_bytes) if config.cache_bytes > 0 else None
         self._resolve = resolver if resolver is not None else system_resolver
         self._client: httpx.AsyncClient | None = None
+        # Made now, not on the event loop at the first fetch: loading the CA bundle
+        # takes tens of milliseconds.
+        self._http()
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
