@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -92,27 +93,38 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class Origin:
-    """An HTTP origin on ``host`` (a loopback address), in a thread."""
+    """An HTTP origin on ``host`` (a loopback address), in a thread; HTTPS with
+    ``tls`` (a server context), recording the TLS server names clients sent."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
         self.lock = threading.Lock()
         self.routes: dict[str, Route] = {}
         self.log: list[tuple[str, str]] = []
+        self.server_names: list[str | None] = []
         self.accepted = 0
         self._server = _Server((host, 0), self)
+        self.scheme = "http"
+        if tls is not None:
+            tls.sni_callback = self._sni
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self.host = host
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def url(self, path: str, host: str | None = None) -> str:
-        """``http://HOST:PORT/path`` (``host`` replaces the address, a name say)."""
-        return f"http://{host or self.host}:{self.port}{path}"
+    def _sni(self, sock: Any, name: str | None, context: Any) -> None:
+        with self.lock:
+            self.server_names.append(name)
 
-    def set(self, path: str, route: Route) -> str:
+    def url(self, path: str, host: str | None = None) -> str:
+        """``http(s)://HOST:PORT/path`` (``host`` replaces the address, a name say)."""
+        return f"{self.scheme}://{host or self.host}:{self.port}{path}"
+
+    def set(self, path: str, route: Route, host: str | None = None) -> str:
         with self.lock:
             self.routes[path] = route
-        return self.url(path)
+        return self.url(path, host)
 
     def paths(self) -> list[str]:
         with self.lock:
@@ -124,8 +136,8 @@ class Origin:
 
 
 @contextmanager
-def origin(host: str = "127.0.0.1") -> Iterator[Origin]:
-    server = Origin(host)
+def origin(host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> Iterator[Origin]:
+    server = Origin(host, tls)
     try:
         yield server
     finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import ssl
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -410,3 +412,72 @@ def test_file_urls_outside_the_root(media_root: Path) -> None:
 def test_the_allowed_path_must_be_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
         MediaFetcher(config(allowed_local_path=str(tmp_path / "nope")))
+
+
+# -------------------------------------------------------------------- https
+
+
+def _certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for ``name`` (the ``openssl`` command line)."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={name}",
+         "-addext", f"subjectAltName=DNS:{name}"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls_origin(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An HTTPS origin on 127.0.0.1 with a certificate for ``media.test``, and a client
+    context that trusts it (and nothing else)."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = _certificate(directory, "media.test")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=str(cert))
+    with origin("127.0.0.1", tls=server) as o:
+        yield o, client
+
+
+def test_https_connects_to_the_checked_address_with_the_names_tls_identity(
+    tls_origin: tuple[Origin, ssl.SSLContext],
+) -> None:
+    """The socket goes to 127.0.0.1 (the checked address); SNI, the certificate check and
+    ``Host`` use the name."""
+    server, client_tls = tls_origin
+    url = server.set("/tls.png", Route(png()), host="media.test")
+    resolver = CountingResolver(["127.0.0.1"])
+    fetcher = MediaFetcher(config(networks=LOOPBACK), resolver=resolver, tls=client_tls)
+    assert fetch(fetcher, url).data == png()
+    assert server.server_names[-1] == "media.test"
+    assert server.log[-1] == ("/tls.png", f"media.test:{server.port}")
+    assert fetcher.metrics.fetches.get(("https",)) == 1
+
+
+def test_https_refuses_a_certificate_for_another_name(
+    tls_origin: tuple[Origin, ssl.SSLContext],
+) -> None:
+    server, client_tls = tls_origin
+    url = server.set("/tls.png", Route(png()), host="other.test")
+    resolver = CountingResolver(["127.0.0.1"])
+    fetcher = MediaFetcher(config(networks=LOOPBACK), resolver=resolver, tls=client_tls)
+    err = refusal(fetcher, url)
+    assert err.reason == "unreachable"
+    assert "certificate" in err.message.lower()
+
+
+def test_https_never_redirects_down_to_http(
+    tls_origin: tuple[Origin, ssl.SSLContext], local: Origin
+) -> None:
+    server, client_tls = tls_origin
+    plain = local.set("/plain.png", Route(png()))
+    url = server.set("/down", Route(status=302, location=plain, content_type=None), "media.test")
+    before = local.accepted
+    fetcher = MediaFetcher(
+        config(networks=LOOPBACK), resolver=CountingResolver(["127.0.0.1"]), tls=client_tls
+    )
+    assert refusal(fetcher, url).reason == "scheme"
+    assert local.accepted == before

@@ -38,12 +38,15 @@ import asyncio
 import ipaddress
 import os
 import socket
+import ssl
 import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import SplitResult, unquote
 
+import h11
 import httpx
 
 from ec_frontend.media.cache import MediaCache
@@ -64,6 +67,8 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 #: Content types accepted besides ``image/*`` (origins that do not know the type).
 _GENERIC_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
 _READ_CHUNK = 64 * 1024
+#: Largest response head (status line and headers) read from an origin.
+_MAX_HEAD_BYTES = 64 * 1024
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -106,6 +111,24 @@ class Fetched:
     cached: bool = False
 
 
+def _tls_context() -> ssl.SSLContext:
+    """Certificate and host-name checks on, with certifi's CA bundle when it is there
+    (httpx's), else the system's."""
+    try:
+        import certifi
+    except ImportError:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        conn.receive_data(await reader.read(_READ_CHUNK))
+
+
 def _failed(message: str, reason: str, code: str = "media_fetch_failed") -> MediaError:
     return MediaError(message, code=code, reason=reason)
 
@@ -119,39 +142,22 @@ class MediaFetcher:
         *,
         metrics: FetchMetrics | None = None,
         resolver: Resolver | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``resolver`` and ``tls`` (the client TLS context: certificate authorities)
+        replace the system's; tests use them to resolve names without DNS and to
+        trust a test certificate."""
         self.config = config
         self.root = config.local_root()
         self.metrics = metrics if metrics is not None else FetchMetrics()
         self.cache = MediaCache(config.cache_bytes) if config.cache_bytes > 0 else None
         self._resolve = resolver if resolver is not None else system_resolver
-        self._client: httpx.AsyncClient | None = None
         # Made now, not on the event loop at the first fetch: loading the CA bundle
         # takes tens of milliseconds.
-        self._http()
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                # Proxies from the environment would connect to the name themselves.
-                trust_env=False,
-                follow_redirects=False,
-                # No pooling: a pooled connection is keyed by address alone and could
-                # carry a request for another host than the one its TLS name checked.
-                limits=httpx.Limits(max_keepalive_connections=0),
-                timeout=httpx.Timeout(self.config.timeout_s),
-                headers={
-                    "user-agent": self.config.user_agent,
-                    "accept": "image/*",
-                    "accept-encoding": "identity",
-                },
-            )
-        return self._client
+        self._tls = tls if tls is not None else _tls_context()
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        """Nothing is held between fetches (no pooled connection); kept for callers."""
 
     async def fetch(self, url: str, budget: RequestBudget | None = None) -> Fetched:
         """The bytes behind ``url`` (module docstring); counts every outcome."""
@@ -249,44 +255,84 @@ class MediaFetcher:
         self, url: httpx.URL, addresses: list[IPAddress], budget: RequestBudget
     ) -> tuple[bytes, dict[str, str]] | httpx.URL:
         """GET ``url`` from the first of ``addresses`` that accepts a connection: the body
-        and headers, or the redirect target."""
+        and headers, or the redirect target. The socket is opened to the address; the
+        name goes only into ``Host`` and, for https, the TLS server name (SNI and the
+        certificate check)."""
         host = url.raw_host.decode("ascii")
-        headers = {"host": url.netloc.decode("ascii")}
-        extensions = {}
-        if url.scheme == "https":
-            try:
-                ipaddress.ip_address(host)
-            except ValueError:
-                extensions["sni_hostname"] = host
-        last: Exception | None = None
+        port = url.port or (443 if url.scheme == "https" else 80)
+        tls = self._tls if url.scheme == "https" else None
+        last: OSError | None = None
         for address in addresses:
-            pinned = url.copy_with(host=str(address))
-            request = self._http().build_request(
-                "GET", pinned, headers=headers, extensions=extensions
-            )
             try:
-                response = await self._http().send(request, stream=True)
-            except httpx.ConnectError as exc:
+                reader, writer = await asyncio.open_connection(
+                    str(address), port, ssl=tls, server_hostname=host if tls else None
+                )
+            except OSError as exc:  # refused, unreachable, TLS handshake or certificate
                 last = exc
                 continue
-            except httpx.TimeoutException:
-                raise TimeoutError from None
-            except httpx.HTTPError as exc:
-                raise _failed(f"the media URL's origin failed: {exc!r}", "unreachable") from None
             try:
-                return await self._answer(url, response, budget)
+                return await self._exchange(url, reader, writer, budget)
             finally:
-                await response.aclose()
-        raise _failed(
-            f"the media URL's host {host} cannot be reached ({last})", "unreachable"
-        ) from None
+                writer.close()
+        raise _failed(f"the media URL's host {host} cannot be reached ({last})", "unreachable")
 
-    async def _answer(
-        self, url: httpx.URL, response: httpx.Response, budget: RequestBudget
+    async def _exchange(
+        self,
+        url: httpx.URL,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        budget: RequestBudget,
     ) -> tuple[bytes, dict[str, str]] | httpx.URL:
-        status = response.status_code
+        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        request = h11.Request(
+            method="GET",
+            target=url.raw_path,
+            headers=[
+                ("Host", url.netloc),
+                ("User-Agent", self.config.user_agent),
+                ("Accept", "image/*"),
+                ("Accept-Encoding", "identity"),
+                ("Connection", "close"),
+            ],
+        )
+        try:
+            writer.write(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
+            await writer.drain()
+            event = await _next_event(conn, reader)
+            while isinstance(event, h11.InformationalResponse):
+                event = await _next_event(conn, reader)
+            if not isinstance(event, h11.Response):
+                raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+            headers: dict[str, str] = {}
+            for raw_name, raw_value in event.headers:
+                name, value = raw_name.decode("ascii").lower(), raw_value.decode("latin-1")
+                headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            answer = self._check_head(url, event.status_code, event.reason, headers)
+            if answer is not None:
+                return answer
+            cap = self.config.max_item_bytes
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                event = await _next_event(conn, reader)
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > cap:
+                        raise self._too_large(cap, None)
+                    budget.charge(len(event.data))
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return b"".join(chunks), headers
+        except (h11.RemoteProtocolError, OSError) as exc:
+            message = f"the media URL's origin broke off or is not an HTTP server ({exc})"
+            raise _failed(message, "unreachable") from None
+
+    def _check_head(
+        self, url: httpx.URL, status: int, reason: bytes, headers: dict[str, str]
+    ) -> httpx.URL | None:
+        """The redirect target, ``None`` when the body is to be read, or the error."""
         if status in _REDIRECTS:
-            location = response.headers.get("location")
+            location = headers.get("location")
             if not location:
                 raise _failed(f"the origin answered {status} without a Location", "http_status")
             try:
@@ -294,17 +340,17 @@ class MediaFetcher:
             except httpx.InvalidURL as exc:
                 raise refused(f"the origin redirects to an invalid URL ({exc})", "scheme") from None
         if status != 200:
-            phrase = response.reason_phrase
+            phrase = reason.decode("latin-1", "replace")
             message = f"the media URL's origin answered {status} {phrase}".rstrip()
             raise _failed(message, "http_status")
-        ctype = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if not ctype.startswith("image/") and ctype not in _GENERIC_TYPES:
             raise _failed(
                 f"the media URL's origin sent {ctype}, not an image",
                 "content_type",
                 "invalid_media_content_type",
             )
-        coding = response.headers.get("content-encoding", "identity").strip().lower()
+        coding = headers.get("content-encoding", "identity").strip().lower()
         if coding not in ("", "identity"):
             raise _failed(
                 f"the media URL's origin sent a {coding}-encoded body; media are fetched "
@@ -313,24 +359,10 @@ class MediaFetcher:
                 "invalid_media_content_type",
             )
         cap = self.config.max_item_bytes
-        length = response.headers.get("content-length")
-        if length is not None and length.strip().isdigit() and int(length) > cap:
+        length = headers.get("content-length", "").strip()
+        if length.isdigit() and int(length) > cap:
             raise self._too_large(cap, int(length))
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in response.aiter_raw(_READ_CHUNK):
-                size += len(chunk)
-                if size > cap:
-                    raise self._too_large(cap, None)
-                budget.charge(len(chunk))
-                chunks.append(chunk)
-        except httpx.TimeoutException:
-            raise TimeoutError from None
-        except httpx.HTTPError as exc:
-            raise _failed(f"the media URL's origin broke off: {exc!r}", "unreachable") from None
-        headers = {k.lower(): v for k, v in response.headers.items()}
-        return b"".join(chunks), headers
+        return None
 
     @staticmethod
     def _too_large(cap: int, size: int | None) -> MediaError:
