@@ -481,3 +481,24 @@ def test_https_never_redirects_down_to_http(
     )
     assert refusal(fetcher, url).reason == "scheme"
     assert local.accepted == before
+
+
+@pytest.mark.parametrize(("slots", "outcomes"), [(2, ["ok", "ok"]), (1, ["ok", "timeout"])])
+def test_concurrent_fetches_are_bounded(local: Origin, slots: int, outcomes: list[str]) -> None:
+    """Two fetches of about 1 s each under a 1.6 s deadline: with one slot, the second
+    waits for the first and runs out of time."""
+    url = local.set("/three-bytes", Route(b"abc", drip_s=0.5, content_type="image/png"))
+    fetcher = MediaFetcher(config(networks=LOOPBACK, timeout_s=1.6, max_concurrent=slots))
+
+    async def both() -> list[str]:
+        async def one(delay: float) -> str:
+            await asyncio.sleep(delay)
+            try:
+                await fetcher.fetch(url)
+            except MediaError as exc:
+                return str(exc.reason)
+            return "ok"
+
+        return list(await asyncio.gather(one(0.0), one(0.05)))
+
+    assert asyncio.run(both()) == outcomes

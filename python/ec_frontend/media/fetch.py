@@ -28,6 +28,8 @@ Contract of :meth:`MediaFetcher.fetch` (one URL -> its bytes, or a
 * The optional :class:`~ec_frontend.media.cache.MediaCache` answers a URL
   before any resolution (the domain check still applies) and stores what the
   origin lets it store, for redirect-free fetches only.
+* At most ``max_concurrent`` fetches from origins are in progress at once,
+  server-wide; a fetch that waits for a slot waits within its deadline.
 * Nothing here blocks the event loop: sockets are asynchronous, name
   resolution and file reads run in threads.
 """
@@ -155,6 +157,8 @@ class MediaFetcher:
         # Made now, not on the event loop at the first fetch: loading the CA bundle
         # takes tens of milliseconds.
         self._tls = tls if tls is not None else _tls_context()
+        #: Fetches in progress at once, server-wide (a waiting fetch's deadline runs).
+        self._slots = asyncio.Semaphore(config.max_concurrent)
 
     async def aclose(self) -> None:
         """Nothing is held between fetches (no pooled connection); kept for callers."""
@@ -183,7 +187,8 @@ class MediaFetcher:
         if parts.scheme.lower() == "file":
             started = time.perf_counter()
             self.metrics.fetches.inc(("file",))
-            data = await asyncio.to_thread(self._read_file, parts)
+            async with self._slots:
+                data = await asyncio.to_thread(self._read_file, parts)
             budget.charge(len(data))
             self._count(data, started)
             return Fetched(data)
@@ -195,7 +200,8 @@ class MediaFetcher:
                 return Fetched(hit, cached=True)
         started = time.perf_counter()
         self.metrics.fetches.inc((parts.scheme.lower(),))
-        data, headers, hops = await self._fetch_http(url, budget)
+        async with self._slots:
+            data, headers, hops = await self._fetch_http(url, budget)
         self._count(data, started)
         if self.cache is not None and hops == 0:
             self.cache.put(url, data, headers)

@@ -14,6 +14,7 @@ import argparse
 import os
 
 from ec_frontend.media.policy import (
+    DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_ITEM_BYTES,
     DEFAULT_MAX_REDIRECTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -92,6 +93,14 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
         help="redirects followed per item, each checked again (default %(default)s)",
     )
     g.add_argument(
+        "--max-concurrent-media-fetches",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT,
+        metavar="N",
+        help="fetches from origins in progress at once, server-wide; more wait, within "
+        "their timeout (default %(default)s)",
+    )
+    g.add_argument(
         "--media-cache-bytes",
         type=int,
         default=0,
@@ -113,6 +122,7 @@ def media_config(args: argparse.Namespace) -> MediaFetchConfig:
         ("--max-media-request-bytes", args.max_media_request_bytes > 0, "> 0"),
         ("--max-media-redirects", args.max_media_redirects >= 0, ">= 0"),
         ("--media-cache-bytes", args.media_cache_bytes >= 0, ">= 0"),
+        ("--max-concurrent-media-fetches", args.max_concurrent_media_fetches > 0, "> 0"),
     )
     for flag, ok, bound in checks:
         if not ok:
@@ -127,6 +137,7 @@ def media_config(args: argparse.Namespace) -> MediaFetchConfig:
         max_request_bytes=args.max_media_request_bytes,
         max_redirects=args.max_media_redirects,
         cache_bytes=args.media_cache_bytes,
+        max_concurrent=args.max_concurrent_media_fetches,
     )
     config.local_root()  # a path that is not a directory is refused at start
     return config

@@ -5,8 +5,8 @@ Contract:
 * :class:`MediaFetchConfig` holds what ``ec-frontend serve`` was told
   (``--allowed-media-domains``, ``--allowed-media-networks``,
   ``--allowed-local-media-path``, the fetch timeout, the byte caps, the redirect
-  cap and the cache size). It is frozen and picklable (API server processes get
-  a copy).
+  cap, the cache size and the number of concurrent fetches). It is frozen and
+  picklable (API server processes get a copy).
 * :func:`check_url` checks a URL before anything is resolved or opened: scheme
   (``http``, ``https``, ``file``), no credentials, a host, and for http(s) the
   domain allowlist (exact host names, compared case-insensitively, as vLLM
@@ -40,6 +40,8 @@ DEFAULT_MAX_ITEM_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 #: Redirects followed per item.
 DEFAULT_MAX_REDIRECTS = 5
+#: Fetches from origins in progress at once, server-wide.
+DEFAULT_MAX_CONCURRENT = 64
 
 #: The reasons a fetch gives no bytes (the ``reason`` label of the refusal counter).
 REASONS = (
@@ -133,6 +135,7 @@ class MediaFetchConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_redirects: int = DEFAULT_MAX_REDIRECTS
     cache_bytes: int = 0
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT
     #: Sent as ``User-Agent``.
     user_agent: str = field(default="ec-frontend-media-fetch")
 
@@ -143,6 +146,8 @@ class MediaFetchConfig:
             raise ValueError("the media byte caps must be > 0")
         if self.max_redirects < 0 or self.cache_bytes < 0:
             raise ValueError("the redirect cap and the cache size must be >= 0")
+        if self.max_concurrent <= 0:
+            raise ValueError("the number of concurrent media fetches must be > 0")
 
     def local_root(self) -> Path | None:
         """The resolved ``--allowed-local-media-path``; ``ValueError`` when it is not a
