@@ -182,7 +182,7 @@ def test_metadata_and_private_addresses_are_refused(url: str) -> None:
     ],
 )
 def test_urls_refused_before_any_resolution(url: str, kw: dict[str, Any], reason: str) -> None:
-    resolver = CountingResolver(["8.8.8.8"])
+    resolver = CountingResolver(["127.0.0.1"])
     err = refusal(MediaFetcher(config(**kw), resolver=resolver), url)
     assert err.reason == reason
     assert resolver.calls == []
@@ -502,3 +502,30 @@ def test_concurrent_fetches_are_bounded(local: Origin, slots: int, outcomes: lis
         return list(await asyncio.gather(one(0.0), one(0.05)))
 
     assert asyncio.run(both()) == outcomes
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://exa mple.com/a.png",
+        "http://[::1/a.png",
+        "http://example.com:99999/a.png",
+        "http://xn--/a.png",
+        "http://a..b/a.png",
+        "http://\u2603\u2603.example/a.png",
+        "http://example.com/\x00",
+        "https://",
+    ],
+)
+def test_malformed_urls_are_media_errors(url: str) -> None:
+    """Whatever the URL, a :class:`MediaError` (a 400), never another exception. (A name
+    that parses resolves to loopback here, which is refused: no connection is made.)"""
+    resolver = CountingResolver(["127.0.0.1"])
+    fetcher = MediaFetcher(config(timeout_s=1.0), resolver=resolver)
+    assert refusal(fetcher, url).reason in ("scheme", "address")
+
+
+def test_a_malformed_redirect_target(public: Origin) -> None:
+    url = public.set("/bad-hop", Route(status=302, location="http://[::1/", content_type=None))
+    fetcher = MediaFetcher(config(networks=("127.0.0.2/32",)))
+    assert refusal(fetcher, url).reason == "scheme"

@@ -217,7 +217,11 @@ class MediaFetcher:
         self, url: str, budget: RequestBudget
     ) -> tuple[bytes, dict[str, str], int]:
         """``(body, lower-case headers, redirects followed)``."""
-        current = httpx.URL(url).copy_with(fragment=None)
+        try:
+            current = httpx.URL(url).copy_with(fragment=None)
+            current.raw_host.decode("ascii")
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise refused(f"the media URL cannot be parsed ({exc})", "scheme") from None
         first_scheme = current.scheme
         for hop in range(self.config.max_redirects + 1):
             if hop:
@@ -329,7 +333,7 @@ class MediaFetcher:
                     chunks.append(bytes(event.data))
                 elif isinstance(event, h11.EndOfMessage):
                     return b"".join(chunks), headers
-        except (h11.RemoteProtocolError, OSError) as exc:
+        except (h11.ProtocolError, OSError) as exc:
             message = f"the media URL's origin broke off or is not an HTTP server ({exc})"
             raise _failed(message, "unreachable") from None
 
@@ -342,8 +346,10 @@ class MediaFetcher:
             if not location:
                 raise _failed(f"the origin answered {status} without a Location", "http_status")
             try:
-                return url.join(location)
-            except httpx.InvalidURL as exc:
+                target = url.join(location)
+                target.raw_host.decode("ascii")
+                return target
+            except (httpx.InvalidURL, ValueError) as exc:
                 raise refused(f"the origin redirects to an invalid URL ({exc})", "scheme") from None
         if status != 200:
             phrase = reason.decode("latin-1", "replace")
