@@ -1,7 +1,8 @@
 """What a server refuses to fetch, and a slow origin that must not hold it.
 
-The server (mock engine) allows only ``127.0.0.2/32`` (a stand-in for a public
-host): it is started without the loopback network. Each refused URL is a 400
+One server (mock engine) is started with no media flag; another allows only
+``127.0.0.2/32`` (a stand-in for a public host, so that a redirect from it can be
+shown). Each refused URL is a 400
 naming the part, and the origin it points at receives **no connection**
 (its listening socket counts them). A slow origin (one byte per second) makes
 its requests end at the fetch timeout while a concurrent text request's
@@ -51,6 +52,14 @@ def server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
+def bare() -> Iterator[ServerProcess]:
+    """A server started with no media flag at all."""
+    proc = ServerProcess(["--mock-engine"])
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
 def private() -> Iterator[Origin]:
     with origin("127.0.0.1") as o:
         yield o
@@ -75,11 +84,22 @@ def test_the_allowed_public_stand_in_is_fetched(server: ServerProcess, public: O
 
 
 @pytest.mark.parametrize(
-    "kind", ["loopback-literal", "metadata", "name-to-loopback", "redirect-to-loopback"]
+    ("flags", "kind"),
+    [
+        ("none", "loopback-literal"),
+        ("none", "metadata"),
+        ("none", "name-to-loopback"),
+        ("public-only", "loopback-literal"),
+        ("public-only", "metadata"),
+        ("public-only", "name-to-loopback"),
+        # The first hop needs an allowed host: 127.0.0.2 plays the public one.
+        ("public-only", "redirect-to-loopback"),
+    ],
 )
 def test_refused_urls_open_no_connection(
-    server: ServerProcess, private: Origin, public: Origin, kind: str
+    request: pytest.FixtureRequest, private: Origin, public: Origin, flags: str, kind: str
 ) -> None:
+    server: ServerProcess = request.getfixturevalue("bare" if flags == "none" else "server")
     target = private.set("/secret.png", Route(IMAGE))
     url = {
         "loopback-literal": target,
