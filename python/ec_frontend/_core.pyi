@@ -99,7 +99,8 @@ class MediaItem:
         """
     @property
     def url(self) -> str | None:
-        """The http(s) URL of a referenced item; ``None`` for inline data."""
+        """The http(s) or ``file://`` URL of a referenced item (fetched by the server,
+        ``ec_frontend.media``); ``None`` for inline data."""
     @property
     def uuid(self) -> str | None: ...
     @property
@@ -108,7 +109,8 @@ class MediaItem:
 
         blake3 over the kind of key, the model id, the processor kwargs, the request's
         ``cache_salt`` and the item: without ``uuid`` its decoded bytes
-        (:func:`compute_mm_hash`) or, for a URL reference, the URL; with a ``uuid``
+        (:func:`compute_mm_hash`) or, for a URL reference, the URL (the server replaces
+        it by the content key once the item is fetched); with a ``uuid``
         (1 to 512 bytes) the uuid (:func:`hash_for_uuid`), whatever it looks like.
         Each kind has its own domain tag, so no uuid gives the key of some content,
         and requests with different salts never share a key. Every instance computes

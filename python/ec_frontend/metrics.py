@@ -345,6 +345,9 @@ class ServerMetrics:
             "Engine requests aborted because the client went away or the server drained.",
         )
         self.refused = refused_connections()
+        #: Series of other parts of the server (the media fetcher's), each with a
+        #: ``render(snapshot)`` like :meth:`render`'s.
+        self.extra: list[Any] = []
         self._in_flight = 0
 
     @property
@@ -374,6 +377,8 @@ class ServerMetrics:
         yield from self.ttft.render(snapshot)
         yield from self.itl.render(snapshot)
         yield from self.e2e.render(snapshot)
+        for series in self.extra:
+            yield from series.render(snapshot)
 
 
 def stats_items(stats: Any) -> list[tuple[str, float]]:

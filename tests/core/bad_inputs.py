@@ -210,7 +210,7 @@ _CASES: list[tuple[str, str, bytes, str, str | None]] = [
         "invalid_data_url",
         _URL,
     ),
-    ("file-url", "chat", _image("file:///etc/passwd"), "invalid_value", _URL),
+    ("ftp-url", "chat", _image("ftp://example.com/a.png"), "invalid_value", _URL),
     (
         "uuid-number",
         "chat",

@@ -164,7 +164,10 @@ CASES: list[tuple[str, str, str, dict[str, str], bytes, int, str | None]] = [
                     {
                         "role": "user",
                         "content": [
-                            {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "http://media.invalid/a.png"},
+                            }
                         ],
                     }
                 ]

@@ -18,6 +18,7 @@ from ec_frontend.entrypoints.launcher import ServeOptions, serve
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ec_frontend.entrypoints.proxy.cli import add_proxy_args, add_transfer_trust_args, run_proxy
+from ec_frontend.media.options import add_media_args, media_config
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
@@ -203,6 +204,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     add_limit_args(p)
     add_http_args(p)
+    add_media_args(p)
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -286,6 +288,10 @@ def run_serve(args: argparse.Namespace) -> int:
         unknown = sorted(set(resource_limits(args).image_formats) - set(Image.OPEN))
         if unknown:
             problem = f"ec-frontend serve: --image-formats: unknown decoders {unknown}"
+    try:
+        media = media_config(args)
+    except ValueError as exc:
+        problem = problem or f"ec-frontend serve: {exc}"
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
@@ -330,6 +336,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         api_server_count=args.api_server_count,
+        media=media,
     )
     if options.api_server_count > 1:
         from ec_frontend.entrypoints.api_servers import serve_group

@@ -32,6 +32,7 @@ from ec_frontend.errors import StartupError
 
 if TYPE_CHECKING:
     from ec_frontend.engine.client import EngineClient
+from ec_frontend.media import MediaFetchConfig
 
 log = logging.getLogger("ec_frontend.server")
 
@@ -87,6 +88,8 @@ class ServeOptions:
     #: API server (frontend) processes sharing the listening socket
     #: (``entrypoints/api_servers.py``); 1 serves from this process.
     api_server_count: int = 1
+    #: Media by URL (``docs/security.md``, "Media by URL"); ``None``: URLs are refused.
+    media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
 
 
 def mock_config(opts: ServeOptions) -> Any:
@@ -233,6 +236,7 @@ def serve(
         public_docs=opts.public_docs,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         tool_call_parser=opts.tool_call_parser,
+        media=opts.media,
     )
     app, core = build_app(engine, config)
     if wrap_app is not None:

@@ -33,7 +33,7 @@ impl<'l> MediaCollector<'l> {
         }
     }
 
-    /// Adds one image given by `url` (a base64 `data:` URL or an http(s) URL) found at
+    /// Adds one image given by `url` (a base64 `data:` URL, an http(s) URL or a `file://` URL) found at
     /// `url_path`; `item_path` is what [`MediaItem::param`] reports. Returns its index.
     pub fn add_image(
         &mut self,
@@ -96,11 +96,16 @@ impl<'l> MediaCollector<'l> {
                 grid_thw: None,
             }
         } else {
+            // A URL reference: the server fetches http(s) URLs, and reads file:// URLs
+            // below its allowed local media path; that policy lives with the fetcher.
             let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
-            if !(lower.starts_with("http://") || lower.starts_with("https://")) {
+            if !(lower.starts_with("http://")
+                || lower.starts_with("https://")
+                || lower.starts_with("file://"))
+            {
                 return Err(value_error(
                     url_path,
-                    "image URL must be an http(s) URL or a base64 data: URL",
+                    "image URL must be an http(s) URL, a file:// URL or a base64 data: URL",
                 ));
             }
             let mm_hash = match uuid {

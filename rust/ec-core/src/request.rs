@@ -186,7 +186,7 @@ pub struct MediaItem {
     /// The decoded bytes of an inline item; `None` for a URL reference.
     #[serde(skip)]
     pub data: Option<Vec<u8>>,
-    /// The http(s) URL of a referenced item.
+    /// The http(s) or `file://` URL of a referenced item.
     pub url: Option<String>,
     pub uuid: Option<String>,
     /// Lower-case hex (see [`crate::media`]).

@@ -53,7 +53,7 @@ fn errors_name_code_and_param() {
         (Endpoint::Chat, image("data:image/png,rawbytes"), "invalid_data_url", url_param),
         (Endpoint::Chat, image("data:image/png;base64"), "invalid_data_url", url_param),
         (Endpoint::Chat, image(&format!("data:text/plain;base64,{PNG_B64}")), "invalid_data_url", url_param),
-        (Endpoint::Chat, image("file:///etc/passwd"), "invalid_value", url_param),
+        (Endpoint::Chat, image("ftp://example.com/a.png"), "invalid_value", url_param),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x/y.png"},"uuid":7}]}]}"#.into(), "invalid_type", Some("messages[0].content[0].uuid")),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x/y.png"},"uuid":""}]}]}"#.into(), "invalid_value", Some("messages[0].content[0].uuid")),
         (Endpoint::Chat, chat(r#""model":5"#), "invalid_type", Some("model")),

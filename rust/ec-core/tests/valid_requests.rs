@@ -38,6 +38,7 @@ fn valid_requests_normalize_as_expected() {
         (Endpoint::Chat, format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what?"}},{{"type":"image_url","image_url":{{"url":"{img}"}}}}]}}]}}"#), "/messages/0/content/1", json!({"type": "image", "media_index": 0})),
         (Endpoint::Chat, format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"{img}"}}}}]}}]}}"#), "/media/0/mime_type", json!("image/png")),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://example.com/cat.png"}}]}]}"#.into(), "/media/0/url", json!("https://example.com/cat.png")),
+        (Endpoint::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"file:///srv/media/cat.png"}}]}]}"#.into(), "/media/0/url", json!("file:///srv/media/cat.png")),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://example.com/a.png"},"uuid":"abc123"}]}]}"#.into(), "/media/0/uuid", json!("abc123")),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://example.com/a.png"}}]}]}"#.into(), "/media/0/param", json!("messages[0].content[0].image_url")),
         (Endpoint::Chat, r#"{"messages":[{"role":"user","content":"h\u00e9 \ud83d\ude00 \"q\""}]}"#.into(), "/messages/0/content/0/text", json!("h\u{e9} \u{1F600} \"q\"")),

@@ -53,6 +53,7 @@ from ec_frontend.entrypoints.openai.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.responses_api import response_body, response_stream
 from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
+from ec_frontend.media import FetchMetrics, MediaFetchConfig, MediaFetcher
 from ec_frontend.metrics import ServerMetrics, render
 
 if TYPE_CHECKING:
@@ -93,6 +94,8 @@ class ServerConfig:
     #: ``--enable-auto-tool-choice`` / ``--tool-call-parser``.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: Media by URL (``--allowed-media-domains`` ...); ``None``: URL items are refused.
+    media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -142,6 +145,11 @@ class App:
         self.limits = Limits(
             max_body_bytes=config.max_body_bytes, max_media_items=limits.max_media_items
         )
+        fetcher = None
+        if config.media is not None and config.media.enabled:
+            fetch_metrics = FetchMetrics()
+            self.metrics.extra.append(fetch_metrics)
+            fetcher = MediaFetcher(config.media, metrics=fetch_metrics)
         self.serving = Serving(
             engine,
             ServingConfig(
@@ -152,8 +160,10 @@ class App:
                 limits=limits,
                 enable_auto_tool_choice=config.enable_auto_tool_choice,
                 tool_call_parser=config.tool_call_parser,
+                model_id=config.model_id,
             ),
             self.metrics,
+            fetcher,
         )
         processor = engine.processor
         if hasattr(processor, "configure_media"):

@@ -41,6 +41,7 @@ from ec_frontend.entrypoints.openai.limits import (
 )
 from ec_frontend.entrypoints.openai.sampling import bad_words_token_ids, build_sampling_params
 from ec_frontend.entrypoints.openai.structured import StructuredCompiler
+from ec_frontend.media import MediaError, MediaFetcher, resolve_items
 from ec_frontend.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class ServingConfig:
     #: the output with ``tool_call_parser``.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: Enters the content key of a fetched media item (as the parser's ``model_id``).
+    model_id: str = ""
 
 
 #: The request field that an input error with this code is about.
@@ -76,11 +79,17 @@ class Serving:
     """Runs parsed requests on an engine; shared by all endpoints."""
 
     def __init__(
-        self, engine: EngineClient[Any], config: ServingConfig, metrics: ServerMetrics
+        self,
+        engine: EngineClient[Any],
+        config: ServingConfig,
+        metrics: ServerMetrics,
+        media_fetcher: MediaFetcher | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        #: Fetches URL media items; ``None``: they are refused.
+        self.media_fetcher = media_fetcher
         self._active: set[str] = set()
         #: Engine-request slots reserved by requests being prepared (:meth:`reserve`).
         self._reserved = 0
@@ -115,14 +124,35 @@ class Serving:
         for item in parsed.media:
             if item.image_grid_thw is not None:
                 self._check_reference(item)
-            elif item.data is None:
-                raise APIError(
-                    400,
-                    "image URLs cannot be fetched by this server; send the image inline "
-                    "as a base64 data: URL",
-                    param=item.param,
-                    code="unsupported_media_url",
-                )
+
+    async def resolve_media(self, parsed: ParsedRequest) -> Any:
+        """The request's media items, URL items fetched (``media/``) and then held to the
+        same limits as inline ones (:func:`check_media`); 400 naming the item when one
+        cannot be had. The caller has checked the inline items' limits."""
+        media = parsed.media
+        if all(item.url is None for item in media):
+            return media
+        if self.media_fetcher is None:
+            item = next(item for item in media if item.url is not None)
+            raise APIError(
+                400,
+                "media URLs are not fetched by this server; send the image inline as a "
+                "base64 data: URL",
+                param=item.param,
+                code="unsupported_media_url",
+            )
+        try:
+            resolved = await resolve_items(
+                self.media_fetcher,
+                media,
+                model_id=self.config.model_id,
+                processor_kwargs=parsed.mm_processor_kwargs,
+                cache_salt=parsed.cache_salt,
+            )
+        except MediaError as exc:
+            raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
+        check_media(resolved, self.config.limits)
+        return resolved
 
     def _check_reference(self, item: Any) -> None:
         """An ``image_embeds`` reference needs its encoder output from an EC connector,
@@ -246,18 +276,21 @@ class Serving:
                 code=code,
             ) from exc
 
-    async def process_chat(self, parsed: ParsedRequest, tools: Any = None) -> Any:
+    async def process_chat(
+        self, parsed: ParsedRequest, tools: Any = None, media: Any = None
+    ) -> Any:
         """A chat or responses request's model inputs, on the bounded processing pool.
 
         The caller has checked the request's limits (:meth:`check_limits`).
         ``tools`` (a :class:`~ec_frontend.entrypoints.openai.tool_parsers.ToolPlan`) are
-        rendered by the chat template.
+        rendered by the chat template; ``media`` are the request's items as
+        :meth:`resolve_media` gave them (default: as parsed).
         """
         extra = {"tools": tools.template_tools()} if tools is not None else {}
         return await self._process(
             self.engine.processor.process_chat,
             parsed.messages,
-            parsed.media,
+            parsed.media if media is None else media,
             add_generation_prompt=parsed.add_generation_prompt,
             chat_template_kwargs=parsed.chat_template_kwargs,
             mm_processor_kwargs=parsed.mm_processor_kwargs,
@@ -288,10 +321,11 @@ class Serving:
     async def _make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
         processor = self.engine.processor
         endpoint = parsed.endpoint
+        media = await self.resolve_media(parsed)
         grammar, tools = await self._structured(parsed)
         prompts: list[tuple[Any, str, str | None]] = []
         if endpoint in ("chat", "responses"):
-            prompts.append((await self.process_chat(parsed, tools), "messages", None))
+            prompts.append((await self.process_chat(parsed, tools, media), "messages", None))
         elif endpoint == "completions":
             for i, prompt in enumerate(parsed.prompts or []):
                 inputs = await self._process(processor.process_prompt, prompt)

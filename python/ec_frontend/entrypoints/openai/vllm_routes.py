@@ -201,20 +201,14 @@ class VLLMRoutes:
         parsed = parse_request(
             "chat", orjson.dumps(chat), model_id=app.config.model_id, limits=app.limits
         )
-        for item in parsed.media:
-            if item.data is None:
-                raise _bad(
-                    "image URLs cannot be fetched by this server; send the image inline "
-                    "as a base64 data: URL",
-                    item.param,
-                    "unsupported_media_url",
-                )
         app.serving.check_input_limits(parsed)
         return parsed
 
     async def _chat_ids(self, data: dict[str, Any]) -> list[int]:
         serving = self.app.serving
         parsed = await serving.offload(self._parse_chat, data)
+        # URL items are fetched as chat fetches them, so the count is what chat feeds.
+        media = await serving.resolve_media(parsed)
         processor = self.app.engine.processor
         # Tools are rendered by the chat template as a chat request renders them.
         plan = plan_from(parsed.structured)
@@ -223,7 +217,7 @@ class VLLMRoutes:
             inputs = await serving.offload(
                 processor.process_chat,
                 parsed.messages,
-                parsed.media,
+                media,
                 add_generation_prompt=parsed.add_generation_prompt,
                 chat_template_kwargs=parsed.chat_template_kwargs,
                 mm_processor_kwargs=parsed.mm_processor_kwargs,

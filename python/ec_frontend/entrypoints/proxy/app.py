@@ -245,6 +245,30 @@ def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
     return list(parts.values())
 
 
+def at_client_part(exc: UpstreamError, body: dict[str, Any], part: dict[str, Any]) -> UpstreamError:
+    """An encoder's 4xx about the one item it was sent (an image it could not fetch or
+    decode), its ``param`` moved to where the client's body has that item."""
+    try:
+        data = orjson.loads(exc.body)
+    except orjson.JSONDecodeError:
+        return exc
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict):
+        return exc
+    param = err.get("param")
+    if not isinstance(param, str) or not param.startswith("messages[0].content["):
+        return exc
+    key = part_key(part)
+    messages = body.get("messages")
+    for m, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for i, other in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(other, dict) and part_key(other) == key:
+                err["param"] = f"messages[{m}].content[{i}]" + param.split("]", 2)[2]
+                return UpstreamError(exc.status, orjson.dumps(data))
+    return exc
+
+
 def item_uuid(part: dict[str, Any]) -> str:
     """The name an image goes by on every stage: the client's ``uuid``, else (as
     vLLM's EPD proxy names it) the SHA-256 of its URL."""
@@ -377,7 +401,7 @@ class Proxy:
             except UpstreamError as exc:
                 if 400 <= exc.status < 500 and exc.status not in (408, 429):
                     self.metrics.encoder_requests.inc(("client_error",))
-                    raise
+                    raise at_client_part(exc, body, part) from None
                 self.metrics.encoder_requests.inc(("failed",))
                 log.warning("encoder %s failed (%d); trying the next", url, exc.status)
                 continue
