@@ -78,3 +78,50 @@ def test_weight_parts_of_both_checkpoint_layouts():
         "vision",
         "multi_modal_projector.linear_1.bias",
     )
+
+
+@pytest.fixture
+def out_of_tree_family():
+    """An out-of-tree family module: Qwen2-VL's family under a model_type of its own."""
+    import dataclasses
+    import sys
+    import types
+
+    from ec_frontend.model import registry
+    from ec_frontend.model.qwen2_vl import FAMILY as QWEN2_VL
+
+    module = types.ModuleType("out_of_tree_family")
+    module.FAMILY = dataclasses.replace(
+        QWEN2_VL, name="Out-of-tree", model_types=("out_of_tree_vl",), architectures=("OOTVL",)
+    )
+    sys.modules[module.__name__] = module
+    yield module
+    registry._FAMILIES.pop("out_of_tree_vl", None)
+    del sys.modules[module.__name__]
+
+
+def test_register_family_serves_an_out_of_tree_module(out_of_tree_family):
+    from ec_frontend.model.registry import register_family
+
+    with pytest.raises(UnsupportedModelError):
+        family_for({"model_type": "out_of_tree_vl"})
+    register_family("out_of_tree_vl", out_of_tree_family.__name__)
+    assert "out_of_tree_vl" in FAMILIES
+    assert family_for({"model_type": "out_of_tree_vl"}) is out_of_tree_family.FAMILY
+    # Found by its architectures too, as an in-tree family is.
+    assert family_for({"architectures": ["OOTVL"]}) is out_of_tree_family.FAMILY
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "llava_onevision"])
+def test_register_family_refuses_a_registered_model_type(model_type):
+    from ec_frontend.model.registry import register_family
+
+    before = dict(FAMILIES)
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is already registered"):
+        register_family(model_type, "somewhere.else")
+    assert dict(FAMILIES) == before
+
+
+def test_the_family_table_is_read_only():
+    with pytest.raises(TypeError):
+        FAMILIES["x"] = "y"  # type: ignore[index]
