@@ -567,6 +567,39 @@ pub fn structured(fields: &Fields<'_, '_>, endpoint: Endpoint) -> Result<Option<
 mod tests {
     use super::*;
 
+    /// The binary search against a scan of every trigger, over sets of short triggers
+    /// (prefixes of each other, repeats, multi-byte characters) and texts around them.
+    #[test]
+    fn prefixes_answer_as_a_scan_does() {
+        let alphabet = ["a", "b", "ab", "é", "<", "<t", "<t1>", "ba", "aa"];
+        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let word = |next: &mut dyn FnMut(usize) -> usize| -> String {
+            (0..1 + next(3))
+                .map(|_| alphabet[next(alphabet.len())])
+                .collect()
+        };
+        for _ in 0..2000 {
+            let triggers: Vec<String> = (0..1 + next(6)).map(|_| word(&mut next)).collect();
+            let refs: Vec<&str> = triggers.iter().map(String::as_str).collect();
+            let set = Prefixes::new(refs.clone());
+            for _ in 0..20 {
+                let text = if next(4) == 0 {
+                    String::new()
+                } else {
+                    word(&mut next)
+                };
+                let want = refs.iter().any(|t| text.starts_with(t));
+                assert_eq!(set.begins(&text), want, "{refs:?} {text:?}");
+            }
+        }
+    }
+
     #[test]
     fn tool_names() {
         assert!(valid_tool_name("get_weather"));
