@@ -1,5 +1,7 @@
 //! The one entry point: body bytes of an endpoint -> [`ParsedRequest`].
 
+use std::collections::{HashMap, HashSet};
+
 use crate::content::{chat_messages, responses_input};
 use crate::error::{RequestError, Result};
 use crate::fields::{
@@ -254,7 +256,9 @@ pub fn parse_request(
     req.chat_template_kwargs = chat_template_kwargs;
     let base_xargs = match (extra_args, xargs) {
         (Some(Value::Object(mut inner)), Some(Value::Object(top))) => {
-            inner.retain(|(k, _)| !top.iter().any(|(t, _)| t == k));
+            let named: HashSet<&str> = top.iter().map(|(k, _)| k.as_ref()).collect();
+            inner.retain(|(k, _)| !named.contains(k.as_ref()));
+            drop(named);
             inner.extend(top);
             Some(Value::Object(inner))
         }
@@ -456,11 +460,12 @@ fn modality_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<V
         present(v.get("mm_placeholders")).ok_or_else(|| missing(&pp))?,
         &pp,
     )?;
+    // Keys are compared through a set and looked up through maps (each key's first
+    // member, as a scan would find it): a scan per key would cost the square of a map
+    // of many modalities.
+    let modalities: HashSet<&str> = hashes.iter().map(|(k, _)| k.as_ref()).collect();
     let same_keys = |other: &Members<'_>| {
-        other.len() == hashes.len()
-            && other
-                .iter()
-                .all(|(k, _)| hashes.iter().any(|(h, _)| h == k))
+        other.len() == hashes.len() && other.iter().all(|(k, _)| modalities.contains(k.as_ref()))
     };
     if !same_keys(places) {
         return Err(value_error(
@@ -470,8 +475,9 @@ fn modality_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<V
     }
     let grids = match present(v.get("mm_grid_thw")) {
         None => None,
-        Some(g) => Some(object(g, &path.key("mm_grid_thw"))?),
+        Some(g) => Some(first_members(object(g, &path.key("mm_grid_thw"))?)),
     };
+    let places_of = first_members(places);
     for name in ["kwargs_data", "mm_metadata"] {
         let Some(data) = present(v.get(name)) else {
             continue;
@@ -511,10 +517,9 @@ fn modality_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<V
         let list = array(list, &mp)?;
         let lp = pp.key(modality);
         let place_list = array(
-            places
-                .iter()
-                .find(|(k, _)| k == modality)
-                .map(|m| &m.1)
+            places_of
+                .get(modality.as_ref())
+                .copied()
                 .ok_or_else(|| missing(&lp))?,
             &lp,
         )?;
@@ -525,10 +530,10 @@ fn modality_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<V
             ));
         }
         let gp = gp_root.key(modality);
-        let grid_list = match grids {
+        let grid_list = match &grids {
             None => None,
             Some(g) => {
-                let rows = g.iter().find(|(k, _)| k == modality).map(|m| &m.1);
+                let rows = g.get(modality.as_ref()).copied();
                 let rows = array(rows.ok_or_else(|| missing(&gp))?, &gp)?;
                 if rows.len() != list.len() {
                     return Err(value_error(
@@ -555,6 +560,15 @@ fn modality_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<V
         }
     }
     Ok(items)
+}
+
+/// An object's members by key, the first member of a repeated key kept.
+fn first_members<'v, 'a>(members: &'v Members<'a>) -> HashMap<&'v str, &'v Value<'a>> {
+    let mut by_key = HashMap::with_capacity(members.len());
+    for (k, v) in members {
+        by_key.entry(k.as_ref()).or_insert(v);
+    }
+    by_key
 }
 
 fn flat_items(v: &Value<'_>, path: &Path<'_>, num_tokens: usize) -> Result<Vec<Item>> {

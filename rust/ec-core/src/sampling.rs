@@ -1,5 +1,7 @@
 //! Sampling fields -> [`SamplingParams`], with vLLM's defaults and the OpenAI ranges.
 
+use std::collections::HashSet;
+
 use crate::error::Result;
 use crate::fields::{
     array, boolean, integer, integer_in, number, number_in, object, present, string,
@@ -237,9 +239,12 @@ fn logit_bias(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<(u32, f64)>> {
 }
 
 /// `bad_words`: a list of non-empty strings, repeats dropped (vLLM keeps the first).
+/// Repeats are found through a set, so the cost is linear in the list.
 fn bad_words(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<String>> {
+    let items = array(v, path)?;
+    let mut seen: HashSet<&str> = HashSet::with_capacity(items.len());
     let mut out: Vec<String> = Vec::new();
-    for (i, w) in array(v, path)?.iter().enumerate() {
+    for (i, w) in items.iter().enumerate() {
         let word = string(w, &path.index(i))?;
         if word.is_empty() {
             return Err(value_error(
@@ -247,7 +252,7 @@ fn bad_words(v: &Value<'_>, path: &Path<'_>) -> Result<Vec<String>> {
                 "bad_words cannot contain an empty string",
             ));
         }
-        if !out.iter().any(|o| o == word) {
+        if seen.insert(word) {
             out.push(word.to_owned());
         }
     }

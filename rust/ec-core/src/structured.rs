@@ -14,6 +14,7 @@
 //! `structural_tag` (spec `{"structures": [{"begin", "schema", "end"}], "triggers"}`).
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 
 use crate::content::clip;
 use crate::error::Result;
@@ -122,6 +123,35 @@ fn output_format(
     }
 }
 
+/// A set of non-empty strings that answers "does this text start with one of them?"
+/// in one binary search (a scan of every trigger for every structure would cost their
+/// product).
+///
+/// The strings are kept sorted by their bytes and prefix-free: one that starts with
+/// another is dropped, since any text it begins, the shorter one begins too. If some
+/// kept `p` begins `text`, every string between `p` and `text` in byte order starts
+/// with `p` too, so the greatest kept string not above `text` is `p` itself: that one
+/// is the only candidate.
+struct Prefixes<'a>(Vec<&'a str>);
+
+impl<'a> Prefixes<'a> {
+    fn new(mut all: Vec<&'a str>) -> Self {
+        all.sort_unstable();
+        let mut kept: Vec<&'a str> = Vec::with_capacity(all.len());
+        for p in all {
+            if !kept.last().is_some_and(|k| p.starts_with(k)) {
+                kept.push(p);
+            }
+        }
+        Prefixes(kept)
+    }
+
+    fn begins(&self, text: &str) -> bool {
+        let below = self.0.partition_point(|p| *p <= text);
+        below > 0 && text.starts_with(self.0[below - 1])
+    }
+}
+
 /// A structural tag: `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`
 /// (vLLM's form, which its llguidance backend serves). The text is free until a
 /// trigger appears; from there a structure's `begin`, JSON valid for its `schema`, and
@@ -150,6 +180,7 @@ fn structural_tag(v: &Value<'_>, path: &Path<'_>) -> Result<OwnedValue> {
     if triggers.is_empty() {
         return Err(value_error(&tp, "'triggers' must not be empty"));
     }
+    let starts = Prefixes::new(triggers.clone());
     let sp = path.key("structures");
     let items = array(
         present(v.get("structures")).ok_or_else(|| missing(&sp))?,
@@ -174,7 +205,7 @@ fn structural_tag(v: &Value<'_>, path: &Path<'_>) -> Result<OwnedValue> {
             Value::String(b) => b.as_ref(),
             _ => "",
         };
-        if !triggers.iter().any(|t| begin_text.starts_with(t)) {
+        if !starts.begins(begin_text) {
             return Err(value_error(
                 &at.key("begin"),
                 format!(
@@ -311,7 +342,11 @@ fn valid_tool_name(name: &str) -> bool {
 }
 
 /// One tool: chat nests the function under `function`, Responses holds it flat.
-fn tool(v: &Value<'_>, path: &Path<'_>, endpoint: Endpoint) -> Result<(String, OwnedValue)> {
+fn tool<'v>(
+    v: &'v Value<'_>,
+    path: &Path<'_>,
+    endpoint: Endpoint,
+) -> Result<(&'v str, OwnedValue)> {
     let tp = path.key("type");
     let kind = typed(v, path)?;
     if kind != "function" {
@@ -358,7 +393,7 @@ fn tool(v: &Value<'_>, path: &Path<'_>, endpoint: Endpoint) -> Result<(String, O
         ("parameters", parameters),
         ("strict", strict),
     ]);
-    Ok((name.to_owned(), normalized))
+    Ok((name, normalized))
 }
 
 /// `tool_choice`: the mode and, for a named function, its name (checked against `names`).
@@ -366,7 +401,7 @@ fn tool_choice(
     v: &Value<'_>,
     path: &Path<'_>,
     endpoint: Endpoint,
-    names: &[String],
+    names: &HashSet<&str>,
 ) -> Result<(&'static str, Option<String>)> {
     let (mode, name) = match v {
         Value::String(m) => match m.as_ref() {
@@ -404,7 +439,7 @@ fn tool_choice(
             object(f, &at)?;
             let np = at.key("name");
             let name = string(present(f.get("name")).ok_or_else(|| missing(&np))?, &np)?;
-            if !names.iter().any(|n| n == name) {
+            if !names.contains(name) {
                 return Err(value_error(
                     &np,
                     format!(
@@ -466,7 +501,9 @@ pub fn structured(fields: &Fields<'_, '_>, endpoint: Endpoint) -> Result<Option<
     }
 
     let tp = ROOT.key("tools");
-    let mut names: Vec<String> = Vec::new();
+    // A set: checking each name against a list of the earlier ones would cost the
+    // square of the number of tools.
+    let mut names: HashSet<&str> = HashSet::new();
     let tools = match fields.get(F::Tools) {
         None => None,
         Some(v) => {
@@ -478,16 +515,16 @@ pub fn structured(fields: &Fields<'_, '_>, endpoint: Endpoint) -> Result<Option<
                 ));
             }
             let mut out = Vec::with_capacity(items.len());
+            names.reserve(items.len());
             for (i, item) in items.iter().enumerate() {
                 let at = tp.index(i);
                 let (name, normalized) = tool(item, &at, endpoint)?;
-                if names.contains(&name) {
+                if !names.insert(name) {
                     return Err(value_error(
                         &at,
-                        format!("two tools are named '{}'", clip(&name)),
+                        format!("two tools are named '{}'", clip(name)),
                     ));
                 }
-                names.push(name);
                 out.push(normalized);
             }
             Some(Value::Array(out))
@@ -529,6 +566,39 @@ pub fn structured(fields: &Fields<'_, '_>, endpoint: Endpoint) -> Result<Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The binary search against a scan of every trigger, over sets of short triggers
+    /// (prefixes of each other, repeats, multi-byte characters) and texts around them.
+    #[test]
+    fn prefixes_answer_as_a_scan_does() {
+        let alphabet = ["a", "b", "ab", "é", "<", "<t", "<t1>", "ba", "aa"];
+        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let word = |next: &mut dyn FnMut(usize) -> usize| -> String {
+            (0..1 + next(3))
+                .map(|_| alphabet[next(alphabet.len())])
+                .collect()
+        };
+        for _ in 0..2000 {
+            let triggers: Vec<String> = (0..1 + next(6)).map(|_| word(&mut next)).collect();
+            let refs: Vec<&str> = triggers.iter().map(String::as_str).collect();
+            let set = Prefixes::new(refs.clone());
+            for _ in 0..20 {
+                let text = if next(4) == 0 {
+                    String::new()
+                } else {
+                    word(&mut next)
+                };
+                let want = refs.iter().any(|t| text.starts_with(t));
+                assert_eq!(set.begins(&text), want, "{refs:?} {text:?}");
+            }
+        }
+    }
 
     #[test]
     fn tool_names() {
