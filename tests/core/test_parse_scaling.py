@@ -140,7 +140,7 @@ CASES: dict[str, Case] = {
     "messages": Case(
         "chat",
         lambda n: {"messages": [{"role": "user", "content": f"m{i}"} for i in range(n)]},
-        10_000,
+        40_000,
         lambda parsed: len(parsed.messages),
         lambda n: n,
         limits={"max_messages": 1 << 30},
