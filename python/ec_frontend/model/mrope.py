@@ -1,10 +1,10 @@
 """Qwen2-VL's multimodal rotary position index (M-RoPE).
 
 Text tokens advance all three components (temporal, height, width) together.
-An image of LLM grid ``(t, h, w)`` (patch grid divided by the spatial merge
-size) placed when the running position is ``p`` gets positions
-``(p + ti, p + hi, p + wi)`` over its grid in row-major order, and the text
-after it resumes at ``p + max(h, w)``. Decoding continues at
+An image or a video of LLM grid ``(t, h, w)`` (patch grid divided by the spatial
+merge size; a video's ``t`` counts its temporal patches) placed when the running
+position is ``p`` gets positions ``(p + ti, p + hi, p + wi)`` over its grid in
+row-major order, and the text after it resumes at ``p + max(t, h, w)``. Decoding continues at
 ``index + delta`` with ``delta = max(position) + 1 - len(prompt)``.
 """
 
@@ -46,7 +46,7 @@ def mrope_positions(
         grid[1] = (pos + np.arange(gh))[None, :, None]
         grid[2] = (pos + np.arange(gw))[None, None, :]
         top = max(top, pos + max(t, gh, gw) - 1)
-        pos += max(gh, gw)
+        pos += max(t, gh, gw)
         cursor = offset + length
     if num_tokens > cursor:
         out[:, cursor:] = np.arange(pos, pos + num_tokens - cursor)
