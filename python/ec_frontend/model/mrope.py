@@ -4,7 +4,9 @@ Text tokens advance all three components (temporal, height, width) together.
 An image or a video of LLM grid ``(t, h, w)`` (patch grid divided by the spatial
 merge size; a video's ``t`` counts its temporal patches) placed when the running
 position is ``p`` gets positions ``(p + ti, p + hi, p + wi)`` over its grid in
-row-major order, and the text after it resumes at ``p + max(t, h, w)``. Decoding continues at
+row-major order, and the text after it resumes at ``p + max(h, w)``, as
+transformers' ``get_rope_index`` has it (vLLM 0.33 resumes after a video at
+``p + max(t, h, w)``: ``docs/compatibility.md``). Decoding continues at
 ``index + delta`` with ``delta = max(position) + 1 - len(prompt)``.
 """
 
@@ -46,7 +48,7 @@ def mrope_positions(
         grid[1] = (pos + np.arange(gh))[None, :, None]
         grid[2] = (pos + np.arange(gw))[None, None, :]
         top = max(top, pos + max(t, gh, gw) - 1)
-        pos += max(t, gh, gw)
+        pos += max(gh, gw)
         cursor = offset + length
     if num_tokens > cursor:
         out[:, cursor:] = np.arange(pos, pos + num_tokens - cursor)
