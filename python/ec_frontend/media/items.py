@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ec_frontend import _core
-from ec_frontend.media.fetch import Fetched, MediaFetcher, RequestBudget
+from ec_frontend.media.fetch import Fetched, MediaFetcher, MediaKind, RequestBudget
 from ec_frontend.media.policy import MediaError
 
 #: Items at least this large are hashed in a worker thread.
@@ -63,7 +63,7 @@ async def resolve_items(
 ) -> list[Any]:
     """``media`` with each URL item fetched (module docstring); ``video_options`` is
     the request's ``media_io_kwargs["video"]``."""
-    urls: list[tuple[str, str]] = []
+    urls: list[tuple[MediaKind, str]] = []
     for item in media:
         url = item.url
         if url is not None and (item.kind, url) not in urls:
@@ -100,7 +100,7 @@ async def resolve_items(
 
 
 def _first_failure(
-    media: Sequence[Any], tasks: Mapping[tuple[str, str], asyncio.Future[Fetched]]
+    media: Sequence[Any], tasks: Mapping[tuple[MediaKind, str], asyncio.Future[Fetched]]
 ) -> BaseException | None:
     """The error of the first item (in request order) whose fetch failed, naming it."""
     for item in media:

@@ -303,9 +303,11 @@ class InputProcessor:
         features: list[MultiModalFeature] = []
         for token in ids:
             if token == video_token:
-                mm_hash, grid, pixels = next(videos)
-                length = grid[0] * grid[1] * grid[2] // self.spatial_merge_size**2
-                features.append(MultiModalFeature(mm_hash, len(out_ids), length, grid, pixels))
+                video_hash, video_grid, video_pixels = next(videos)
+                length = video_grid[0] * video_grid[1] * video_grid[2] // self.spatial_merge_size**2
+                features.append(
+                    MultiModalFeature(video_hash, len(out_ids), length, video_grid, video_pixels)
+                )
                 out_ids.extend([token] * length)
                 continue
             if token != self.image_token_id:

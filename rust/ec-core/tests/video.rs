@@ -126,63 +126,25 @@ fn bad_video_parts_are_refused_with_their_path() {
             "messages[0].content[1].uuid",
             "uuid",
         ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":{"video":{"num_frames":2.5}}"#,
-            ),
-            "media_io_kwargs.video.num_frames",
-            "",
-        ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":{"video":{"num_frames":-2}}"#,
-            ),
-            "media_io_kwargs.video.num_frames",
-            "",
-        ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":{"video":{"backend":"opencv"}}"#,
-            ),
-            "media_io_kwargs.video.backend",
-            "num_frames or fps",
-        ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":{"audio":{}}"#,
-            ),
-            "media_io_kwargs.audio",
-            "only 'video'",
-        ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":{"image":{"x":1}}"#,
-            ),
-            "media_io_kwargs.image",
-            "only 'video'",
-        ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":[1]"#,
-            ),
-            "media_io_kwargs",
-            "",
-        ),
-        (
-            chat(
-                &[video_part(&video_url(), None)],
-                r#","media_io_kwargs":{"video":{"fps":"fast"}}"#,
-            ),
-            "media_io_kwargs.video.fps",
-            "",
-        ),
     ];
+    // (media_io_kwargs beside one video part, param, words in the message)
+    #[rustfmt::skip]
+    let options: [(&str, &str, &str); 7] = [
+        (r#"{"video":{"num_frames":2.5}}"#, "media_io_kwargs.video.num_frames", ""),
+        (r#"{"video":{"num_frames":-2}}"#, "media_io_kwargs.video.num_frames", ""),
+        (r#"{"video":{"backend":"opencv"}}"#, "media_io_kwargs.video.backend", "num_frames or fps"),
+        (r#"{"audio":{}}"#, "media_io_kwargs.audio", "only 'video'"),
+        (r#"{"image":{"x":1}}"#, "media_io_kwargs.image", "only 'video'"),
+        (r#"[1]"#, "media_io_kwargs", ""),
+        (r#"{"video":{"fps":"fast"}}"#, "media_io_kwargs.video.fps", ""),
+    ];
+    let part = video_part(&video_url(), None);
+    let rows = rows
+        .into_iter()
+        .chain(options.into_iter().map(|(kwargs, param, words)| {
+            let extra = format!(r#","media_io_kwargs":{kwargs}"#);
+            (chat(std::slice::from_ref(&part), &extra), param, words)
+        }));
     for (body, param, words) in rows {
         let err = parse(Endpoint::Chat, &body).expect_err(&body);
         assert_eq!(err.param(), Some(param), "{body}: {err:?}");
@@ -196,7 +158,7 @@ fn media_io_kwargs_are_kept_and_harmless_values_pass() {
     let r = ok(
         Endpoint::Chat,
         &chat(
-            &[part.clone()],
+            std::slice::from_ref(&part),
             r#","media_io_kwargs":{"video":{"num_frames":4,"fps":2.5},"image":{}}"#,
         ),
     );
@@ -205,7 +167,7 @@ fn media_io_kwargs_are_kept_and_harmless_values_pass() {
         json!({"video": {"num_frames": 4, "fps": 2.5}, "image": {}})
     );
     for extra in [r#","media_io_kwargs":{}"#, r#","media_io_kwargs":null"#, ""] {
-        ok(Endpoint::Chat, &chat(&[part.clone()], extra));
+        ok(Endpoint::Chat, &chat(std::slice::from_ref(&part), extra));
     }
 }
 
@@ -225,15 +187,15 @@ fn a_video_key_covers_its_sampling_options() {
     let mut seen = HashSet::new();
     for source in [&part, &by_uuid, &by_url] {
         for extra in options {
-            let key = video_key(&chat(&[source.clone()], extra));
+            let key = video_key(&chat(std::slice::from_ref(source), extra));
             assert!(seen.insert(key), "{source} {extra}: a key repeats");
             // The same request parsed again (another instance) gives the same key, and
             // the order of the options does not matter.
-            assert!(seen.contains(&video_key(&chat(&[source.clone()], extra))));
+            assert!(seen.contains(&video_key(&chat(std::slice::from_ref(source), extra))));
         }
     }
     let swapped = video_key(&chat(
-        &[part.clone()],
+        std::slice::from_ref(&part),
         r#","media_io_kwargs":{"video":{"fps":1,"num_frames":4}}"#,
     ));
     assert!(seen.contains(&swapped));
@@ -241,7 +203,7 @@ fn a_video_key_covers_its_sampling_options() {
     let image = format!(
         r#"{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{PNG_B64}"}}}}"#
     );
-    let plain = ok(Endpoint::Chat, &chat(&[image.clone()], "")).media[0]
+    let plain = ok(Endpoint::Chat, &chat(std::slice::from_ref(&image), "")).media[0]
         .mm_hash
         .clone();
     let sampled = ok(Endpoint::Chat, &chat(&[image], options[1])).media[0]
