@@ -292,3 +292,31 @@ def test_a_fetched_video_is_keyed_like_the_same_video_inline(local: Origin) -> N
     assert keys[(True, 4)] == keys[(False, 4)]
     assert keys[(True, 8)] == keys[(False, 8)]
     assert keys[(False, 4)] != keys[(False, 8)]
+
+
+# ------------------------------------------------------------------ the built-in model
+
+
+def test_the_builtin_model_takes_video(builtin_model_dir: Any) -> None:
+    from ec_frontend.model.loader import load_processor
+
+    processor = load_processor(builtin_model_dir)
+
+    class Item:
+        def __init__(self, data: bytes) -> None:
+            self.data, self.mm_hash, self.param, self.kind = data, "ab", "p", "video"
+
+    messages = [{"role": "user", "content": [
+        {"type": "video", "media_index": 0}, {"type": "text", "text": "what?"}]}]  # fmt: skip
+    clip = make_clip(frames=8, width=56, height=56)
+    for kwargs, t in ((None, 4), ({"video": {"num_frames": 4}}, 2), ({"video": {"fps": 1}}, 1)):
+        out = processor.process_chat(messages, [Item(clip)], media_io_kwargs=kwargs)
+        (feature,) = out.mm_features
+        assert feature.image_grid_thw == (t, 4, 4)  # 56x56 frames: 4 tokens per 2 frames
+        assert feature.length == 4 * t
+        video_token = processor.video_token_id
+        assert out.prompt_token_ids.count(video_token) == 4 * t
+    with pytest.raises(InputError) as info:
+        processor.process_chat(messages, [Item(make_audio_only())])
+    assert info.value.param == "p"
+    assert info.value.code == "invalid_video"
