@@ -157,7 +157,13 @@ def media_root(tmp_path_factory: pytest.TempPathFactory, clip: bytes) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, media_root: Path) -> Iterator[Proc]:
     (proc,) = start_all(
-        [serve(model_dir, "video", extra=["--allowed-local-media-path", str(media_root)])]
+        [
+            serve(
+                model_dir,
+                "video",
+                extra=["--allowed-local-media-path", str(media_root), "--max-video-frames", "12"],
+            )
+        ]
     )
     try:
         yield proc
@@ -306,6 +312,12 @@ def test_one_video_sampled_two_ways_is_two_items(
             "video",
         ),
         ({"url": "data:image/png;base64,AAAA"}, "invalid_data_url", "video/*"),
+        # 16 frames sampled (the default num_frames is 32) over the server's 12.
+        (
+            {"url": "data:video/mp4;base64," + base64.b64encode(make_clip(frames=16)).decode()},
+            "video_too_large",
+            "--max-video-frames",
+        ),
     ],
 )
 def test_bad_videos_are_400s_naming_the_part_and_the_server_stays_healthy(
