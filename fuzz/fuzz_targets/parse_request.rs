@@ -6,7 +6,7 @@
 #![no_main]
 
 use ec_core::{
-    is_valid_mm_hash, parse_request, Endpoint, KeyScope, Limits, MediaItem, ParsedRequest, Part,
+    is_valid_mm_hash, parse_request, Endpoint, KeyScope, MediaKind, Limits, MediaItem, ParsedRequest, Part,
     Prompt,
 };
 use libfuzzer_sys::fuzz_target;
@@ -54,17 +54,27 @@ fn check(endpoint: Endpoint, r: &ParsedRequest, limits: &Limits) {
     assert!(r.media.len() <= limits.max_media_items);
     let media_bytes: usize = r.media.iter().map(MediaItem::len).sum();
     assert!(media_bytes <= limits.max_media_bytes);
+    let video = r
+        .media_io_kwargs
+        .as_ref()
+        .and_then(|kwargs| kwargs.get("video"));
     let scope = KeyScope::new(
         MODEL_ID,
         r.mm_processor_kwargs.as_ref(),
         r.cache_salt.as_deref(),
-    );
+    )
+    .with_video_options(video);
     for item in &r.media {
         assert!(is_valid_mm_hash(&item.mm_hash) && item.mm_hash.len() == 64);
+        let kind = if item.kind == "video" {
+            MediaKind::Video
+        } else {
+            MediaKind::Image
+        };
         let expected = match (&item.uuid, &item.data, &item.url) {
-            (Some(uuid), _, _) => scope.uuid_hash(uuid),
-            (None, Some(data), None) => scope.content_hash(data),
-            (None, None, Some(url)) => scope.url_hash(url),
+            (Some(uuid), _, _) => scope.uuid_hash_of(kind, uuid),
+            (None, Some(data), None) => scope.content_hash_of(kind, data),
+            (None, None, Some(url)) => scope.url_hash_of(kind, url),
             other => panic!("an item is inline data or a URL: {other:?}"),
         };
         assert_eq!(item.mm_hash, expected);
@@ -77,7 +87,7 @@ fn check(endpoint: Endpoint, r: &ParsedRequest, limits: &Limits) {
         .flatten()
         .flat_map(|m| &m.content)
         .filter_map(|p| match p {
-            Part::Image { media_index } => Some(*media_index),
+            Part::Image { media_index } | Part::Video { media_index } => Some(*media_index),
             Part::Text { .. } => None,
         })
         .collect();

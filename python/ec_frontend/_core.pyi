@@ -86,7 +86,9 @@ class MediaItem:
     """One media item of a request, in order of appearance."""
 
     @property
-    def kind(self) -> Literal["image"]: ...
+    def kind(self) -> Literal["image", "video"]:
+        """``image`` (an ``image_url`` / ``input_image`` / ``image_embeds`` part) or
+        ``video`` (a ``video_url`` part)."""
     @property
     def mime_type(self) -> str | None: ...
     @property
@@ -108,7 +110,8 @@ class MediaItem:
         """The item's key: lower-case hex, 64 characters.
 
         blake3 over the kind of key, the model id, the processor kwargs, the request's
-        ``cache_salt`` and the item: without ``uuid`` its decoded bytes
+        ``cache_salt``, for a video its sampling options (``media_io_kwargs["video"]``,
+        with video tags of their own) and the item: without ``uuid`` its decoded bytes
         (:func:`compute_mm_hash`) or, for a URL reference, the URL (the server replaces
         it by the content key once the item is fetched); with a ``uuid``
         (1 to 512 bytes) the uuid (:func:`hash_for_uuid`), whatever it looks like.
@@ -222,6 +225,11 @@ class ParsedRequest:
     @property
     def mm_processor_kwargs(self) -> dict[str, Any] | None: ...
     @property
+    def media_io_kwargs(self) -> dict[str, Any] | None:
+        """vLLM's ``media_io_kwargs`` (chat, responses), checked: ``video`` may hold
+        ``num_frames`` (an integer, -1 to 2**20; 0 or less: every frame) and ``fps``
+        (a number; 0 or less: the source's rate); ``image`` must be empty."""
+    @property
     def chat_template_kwargs(self) -> dict[str, Any] | None: ...
     @property
     def structured(self) -> dict[str, Any] | None:
@@ -293,10 +301,13 @@ def compute_mm_hash(
     model_id: str = "",
     processor_kwargs: dict[str, Any] | None = None,
     cache_salt: str | None = None,
+    kind: Literal["image", "video"] = "image",
+    video_options: dict[str, Any] | None = None,
 ) -> str:
     """The key (blake3, lower-case hex) :func:`parse_request` gives an inline item without
     ``uuid``: ``data`` are its decoded bytes, ``processor_kwargs`` the request's
-    ``mm_processor_kwargs``, ``cache_salt`` its salt."""
+    ``mm_processor_kwargs``, ``cache_salt`` its salt; a ``video`` key also covers
+    ``video_options`` (the request's ``media_io_kwargs["video"]``)."""
 
 def hash_for_uuid(
     uuid: str,
@@ -304,8 +315,11 @@ def hash_for_uuid(
     model_id: str = "",
     processor_kwargs: dict[str, Any] | None = None,
     cache_salt: str | None = None,
+    kind: Literal["image", "video"] = "image",
+    video_options: dict[str, Any] | None = None,
 ) -> str:
-    """The key :func:`parse_request` gives an item that carries ``uuid``, inline or by URL."""
+    """The key :func:`parse_request` gives an item that carries ``uuid``, inline or by URL
+    (``kind`` and ``video_options`` as for :func:`compute_mm_hash`)."""
 
 def decode_data_url(url: str) -> tuple[str, bytes]:
     """``(mime_type, bytes)`` of a base64 ``data:`` URL. Raises :class:`RequestError`."""

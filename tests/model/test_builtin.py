@@ -29,6 +29,7 @@ FILES = [
     "preprocessor_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "video_preprocessor_config.json",
 ]
 
 

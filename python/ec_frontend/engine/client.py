@@ -60,9 +60,10 @@ class InputsProcessor(Protocol[InputsT_co]):
         mm_processor_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> InputsT_co:
         """A chat request's prompt: the chat template over ``messages``, with the
-        placeholders of ``media`` expanded."""
+        placeholders of ``media`` expanded (videos sampled by ``media_io_kwargs``)."""
 
     def process_prompt(self, prompt: str | list[int]) -> InputsT_co:
         """A completions prompt (text or token ids)."""

@@ -121,10 +121,11 @@ class MockProcessor:
         mm_processor_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> MockInputs:
         if self.images is not None:
             order = [
-                p["media_index"] for m in messages for p in m["content"] if p["type"] != "text"
+                p["media_index"] for m in messages for p in m["content"] if p["type"] == "image"
             ]
             self.images._images(media, order, None)
         # Tools open the prompt as one line of their JSON (as templates put them first).

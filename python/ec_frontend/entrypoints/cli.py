@@ -20,6 +20,7 @@ from ec_frontend.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ec_frontend.entrypoints.proxy.cli import add_proxy_args, add_transfer_trust_args, run_proxy
 from ec_frontend.media.options import add_media_args, media_config
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
+from ec_frontend.model.video import VideoLimits
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
 COMMANDS: dict[
@@ -235,6 +236,16 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
          "threads decoding images and tokenizing (default: one per CPU, at most 4)"),
         ("--max-processing-queue", int, d.max_processing_queue,
          "requests waiting for a processing thread; over it, 429 (default %(default)s)"),
+        ("--max-video-frames", int, d.video.max_frames,
+         "frames sampled from one video (default %(default)s)"),
+        ("--max-video-frame-pixels", int, d.video.max_frame_pixels,
+         "pixels (width x height, from the stream header) per video frame "
+         "(default %(default)s)"),
+        ("--max-video-pixels", int, d.video.max_video_pixels,
+         "sampled frames x frame pixels of one video, checked before decoding "
+         "(default %(default)s)"),
+        ("--max-video-duration", float, d.video.max_duration_s,
+         "seconds of one video, counted from its frames (default %(default)s)"),
     ])  # fmt: skip
 
 
@@ -250,6 +261,12 @@ def resource_limits(args: argparse.Namespace) -> ResourceLimits:
         max_fanout=args.max_fanout,
         processing_workers=args.processing_workers,
         max_processing_queue=args.max_processing_queue,
+        video=VideoLimits(
+            max_frames=args.max_video_frames,
+            max_frame_pixels=args.max_video_frame_pixels,
+            max_video_pixels=args.max_video_pixels,
+            max_duration_s=args.max_video_duration,
+        ),
     )
 
 
@@ -259,6 +276,7 @@ _POSITIVE = (
     "max_image_pixels", "max_request_pixels", "max_processor_pixels", "max_prompt_chars",
     "max_fanout", "max_engine_requests", "max_header_bytes", "max_url_bytes",
     "header_timeout", "body_timeout", "keep_alive_timeout", "api_server_count",
+    "max_video_frames", "max_video_frame_pixels", "max_video_pixels", "max_video_duration",
 )  # fmt: skip
 #: Flags that may be 0 (0 meaning "derived") but not negative.
 _NON_NEGATIVE = ("processing_workers", "max_processing_queue", "max_connections", "drain_timeout")

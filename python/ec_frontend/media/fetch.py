@@ -18,8 +18,10 @@ Contract of :meth:`MediaFetcher.fetch` (one URL -> its bytes, or a
   passes ``max_item_bytes`` or (with the other items of its request, through a
   :class:`RequestBudget`) ``max_request_bytes``; a ``Content-Length`` over the
   cap is refused before the body is read. Only ``200`` is a success; the
-  ``Content-Type`` must be an image type (or none, or
-  ``application/octet-stream``); a content coding other than identity is refused.
+  ``Content-Type`` must be of the item's kind, ``image/*`` for an image and
+  ``video/*`` for a video (or none, or ``application/octet-stream``); a content
+  coding other than identity is refused. A video item's byte cap is
+  ``max_video_bytes`` in place of ``max_item_bytes``.
 * ``file``: only below ``allowed_local_path``: no ``..`` segment, the resolved
   path (symlinks followed) must stay below the root, the file is then opened
   component by component with ``O_NOFOLLOW`` (a symlink swapped in meanwhile is
@@ -45,7 +47,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import SplitResult, unquote
 
 import h11
@@ -64,6 +66,9 @@ from ec_frontend.media.policy import (
 
 #: ``host, port -> addresses`` (strings); raises ``OSError`` when the name does not resolve.
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+#: The kinds of item fetched: each has its content types and byte cap.
+MediaKind = Literal["image", "video"]
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 #: Content types accepted besides ``image/*`` (origins that do not know the type).
@@ -135,6 +140,25 @@ def _failed(message: str, reason: str, code: str = "media_fetch_failed") -> Medi
     return MediaError(message, code=code, reason=reason)
 
 
+@dataclass(frozen=True, slots=True)
+class _Want:
+    """What one fetch accepts: the item's kind, its byte cap and the flag naming it."""
+
+    kind: MediaKind
+    cap: int
+    flag: str
+
+    @property
+    def article(self) -> str:
+        return "an" if self.kind == "image" else "a"
+
+    @classmethod
+    def of(cls, kind: MediaKind, config: MediaFetchConfig) -> _Want:
+        if kind == "video":
+            return cls("video", config.max_video_bytes, "--max-media-video-bytes")
+        return cls("image", config.max_item_bytes, "--max-media-item-bytes")
+
+
 class MediaFetcher:
     """Fetches media URLs under a :class:`MediaFetchConfig` policy (module docstring)."""
 
@@ -163,13 +187,16 @@ class MediaFetcher:
     async def aclose(self) -> None:
         """Nothing is held between fetches (no pooled connection); kept for callers."""
 
-    async def fetch(self, url: str, budget: RequestBudget | None = None) -> Fetched:
-        """The bytes behind ``url`` (module docstring); counts every outcome."""
+    async def fetch(
+        self, url: str, budget: RequestBudget | None = None, kind: MediaKind = "image"
+    ) -> Fetched:
+        """The bytes behind ``url`` (module docstring), an item of ``kind``; counts
+        every outcome."""
         budget = budget if budget is not None else RequestBudget(self.config.max_request_bytes)
         timeout = self.config.timeout_s
         try:
             async with asyncio.timeout(timeout):
-                return await self._fetch(url, budget)
+                return await self._fetch(url, budget, _Want.of(kind, self.config))
         except TimeoutError:
             self.metrics.refused.inc(("timeout",))
             raise _failed(
@@ -182,18 +209,20 @@ class MediaFetcher:
                 self.metrics.refused.inc((exc.reason,))
             raise
 
-    async def _fetch(self, url: str, budget: RequestBudget) -> Fetched:
+    async def _fetch(self, url: str, budget: RequestBudget, want: _Want) -> Fetched:
         parts = check_url(url, self.config)
         if parts.scheme.lower() == "file":
             started = time.perf_counter()
             self.metrics.fetches.inc(("file",))
             async with self._slots:
-                data = await asyncio.to_thread(self._read_file, parts)
+                data = await asyncio.to_thread(self._read_file, parts, want)
             budget.charge(len(data))
             self._count(data, started)
             return Fetched(data)
+        # A cached body was checked for its kind when fetched: the kind is in the key.
+        key = url if want.kind == "image" else f"{want.kind} {url}"
         if self.cache is not None:
-            hit = self.cache.get(url)
+            hit = self.cache.get(key)
             if hit is not None:
                 budget.charge(len(hit))
                 self.metrics.cache_hits.inc()
@@ -201,10 +230,10 @@ class MediaFetcher:
         started = time.perf_counter()
         self.metrics.fetches.inc((parts.scheme.lower(),))
         async with self._slots:
-            data, headers, hops = await self._fetch_http(url, budget)
+            data, headers, hops = await self._fetch_http(url, budget, want)
         self._count(data, started)
         if self.cache is not None and hops == 0:
-            self.cache.put(url, data, headers)
+            self.cache.put(key, data, headers)
         return Fetched(data)
 
     def _count(self, data: bytes, started: float) -> None:
@@ -214,7 +243,7 @@ class MediaFetcher:
     # ------------------------------------------------------------------ http(s)
 
     async def _fetch_http(
-        self, url: str, budget: RequestBudget
+        self, url: str, budget: RequestBudget, want: _Want
     ) -> tuple[bytes, dict[str, str], int]:
         """``(body, lower-case headers, redirects followed)``."""
         try:
@@ -231,7 +260,7 @@ class MediaFetcher:
                     raise refused("the media URL redirects from https to http", "scheme")
                 check_url(str(current), self.config)
             addresses = await self._addresses(current)
-            result = await self._get(current, addresses, budget)
+            result = await self._get(current, addresses, budget, want)
             if isinstance(result, httpx.URL):
                 current = result.copy_with(fragment=None)
                 continue
@@ -262,7 +291,7 @@ class MediaFetcher:
         return [check_address(a, self.config) for a in found]
 
     async def _get(
-        self, url: httpx.URL, addresses: list[IPAddress], budget: RequestBudget
+        self, url: httpx.URL, addresses: list[IPAddress], budget: RequestBudget, want: _Want
     ) -> tuple[bytes, dict[str, str]] | httpx.URL:
         """GET ``url`` from the first of ``addresses`` that accepts a connection: the body
         and headers, or the redirect target. The socket is opened to the address; the
@@ -281,7 +310,7 @@ class MediaFetcher:
                 last = exc
                 continue
             try:
-                return await self._exchange(url, reader, writer, budget)
+                return await self._exchange(url, reader, writer, budget, want)
             finally:
                 writer.close()
         raise _failed(f"the media URL's host {host} cannot be reached ({last})", "unreachable")
@@ -292,6 +321,7 @@ class MediaFetcher:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         budget: RequestBudget,
+        want: _Want,
     ) -> tuple[bytes, dict[str, str]] | httpx.URL:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
         request = h11.Request(
@@ -300,7 +330,7 @@ class MediaFetcher:
             headers=[
                 (b"Host", url.netloc),
                 (b"User-Agent", self.config.user_agent.encode()),
-                (b"Accept", b"image/*"),
+                (b"Accept", f"{want.kind}/*".encode()),
                 (b"Accept-Encoding", b"identity"),
                 (b"Connection", b"close"),
             ],
@@ -317,10 +347,10 @@ class MediaFetcher:
             for raw_name, raw_value in event.headers:
                 name, value = raw_name.decode("ascii").lower(), raw_value.decode("latin-1")
                 headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            answer = self._check_head(url, event.status_code, event.reason, headers)
+            answer = self._check_head(url, event.status_code, event.reason, headers, want)
             if answer is not None:
                 return answer
-            cap = self.config.max_item_bytes
+            cap = want.cap
             chunks: list[bytes] = []
             size = 0
             while True:
@@ -328,7 +358,7 @@ class MediaFetcher:
                 if isinstance(event, h11.Data):
                     size += len(event.data)
                     if size > cap:
-                        raise self._too_large(cap, None)
+                        raise self._too_large(cap, None, want)
                     budget.charge(len(event.data))
                     chunks.append(bytes(event.data))
                 elif isinstance(event, h11.EndOfMessage):
@@ -338,7 +368,7 @@ class MediaFetcher:
             raise _failed(message, "unreachable") from None
 
     def _check_head(
-        self, url: httpx.URL, status: int, reason: bytes, headers: dict[str, str]
+        self, url: httpx.URL, status: int, reason: bytes, headers: dict[str, str], want: _Want
     ) -> httpx.URL | None:
         """The redirect target, ``None`` when the body is to be read, or the error."""
         if status in _REDIRECTS:
@@ -356,9 +386,9 @@ class MediaFetcher:
             message = f"the media URL's origin answered {status} {phrase}".rstrip()
             raise _failed(message, "http_status")
         ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if not ctype.startswith("image/") and ctype not in _GENERIC_TYPES:
+        if not ctype.startswith(want.kind + "/") and ctype not in _GENERIC_TYPES:
             raise _failed(
-                f"the media URL's origin sent {ctype}, not an image",
+                f"the media URL's origin sent {ctype}, not {want.article} {want.kind}",
                 "content_type",
                 "invalid_media_content_type",
             )
@@ -370,24 +400,24 @@ class MediaFetcher:
                 "content_type",
                 "invalid_media_content_type",
             )
-        cap = self.config.max_item_bytes
+        cap = want.cap
         length = headers.get("content-length", "").strip()
         if length.isdigit() and int(length) > cap:
-            raise self._too_large(cap, int(length))
+            raise self._too_large(cap, int(length), want)
         return None
 
     @staticmethod
-    def _too_large(cap: int, size: int | None) -> MediaError:
+    def _too_large(cap: int, size: int | None, want: _Want) -> MediaError:
         told = f" ({size} bytes)" if size is not None else ""
         return MediaError(
-            f"the media item is larger than {cap} bytes{told} (--max-media-item-bytes)",
+            f"the media item is larger than {cap} bytes{told} ({want.flag})",
             code="media_too_large",
             reason="too_large",
         )
 
     # -------------------------------------------------------------------- file
 
-    def _read_file(self, parts: SplitResult) -> bytes:
+    def _read_file(self, parts: SplitResult, want: _Want) -> bytes:
         """A file below the allowed root (module docstring), in a worker thread."""
         root = self.root
         if root is None:  # check_url refused it already; kept for direct callers
@@ -428,13 +458,13 @@ class MediaFetcher:
             info = os.fstat(file_fd)
             if not stat.S_ISREG(info.st_mode):
                 raise refused("the file:// URL does not name a regular file", "local_path")
-            cap = self.config.max_item_bytes
+            cap = want.cap
             if info.st_size > cap:
-                raise self._too_large(cap, info.st_size)
+                raise self._too_large(cap, info.st_size, want)
             with os.fdopen(file_fd, "rb", closefd=False) as f:
                 data = f.read(cap + 1)
         finally:
             os.close(file_fd)
         if len(data) > cap:
-            raise self._too_large(cap, None)
+            raise self._too_large(cap, None, want)
         return data

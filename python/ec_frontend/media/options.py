@@ -18,6 +18,7 @@ from ec_frontend.media.policy import (
     DEFAULT_MAX_ITEM_BYTES,
     DEFAULT_MAX_REDIRECTS,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_VIDEO_BYTES,
     DEFAULT_TIMEOUT_S,
     MediaFetchConfig,
     parse_domains,
@@ -86,6 +87,14 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
         help="bytes the fetched items of one request may have together (default %(default)s)",
     )
     g.add_argument(
+        "--max-media-video-bytes",
+        type=int,
+        default=DEFAULT_MAX_VIDEO_BYTES,
+        metavar="N",
+        help="bytes one fetched video may have (it counts toward "
+        "--max-media-request-bytes too; default %(default)s)",
+    )
+    g.add_argument(
         "--max-media-redirects",
         type=int,
         default=DEFAULT_MAX_REDIRECTS,
@@ -120,6 +129,7 @@ def media_config(args: argparse.Namespace) -> MediaFetchConfig:
         ("--media-fetch-timeout", args.media_fetch_timeout > 0, "> 0"),
         ("--max-media-item-bytes", args.max_media_item_bytes > 0, "> 0"),
         ("--max-media-request-bytes", args.max_media_request_bytes > 0, "> 0"),
+        ("--max-media-video-bytes", args.max_media_video_bytes > 0, "> 0"),
         ("--max-media-redirects", args.max_media_redirects >= 0, ">= 0"),
         ("--media-cache-bytes", args.media_cache_bytes >= 0, ">= 0"),
         ("--max-concurrent-media-fetches", args.max_concurrent_media_fetches > 0, "> 0"),
@@ -135,6 +145,7 @@ def media_config(args: argparse.Namespace) -> MediaFetchConfig:
         timeout_s=args.media_fetch_timeout,
         max_item_bytes=args.max_media_item_bytes,
         max_request_bytes=args.max_media_request_bytes,
+        max_video_bytes=args.max_media_video_bytes,
         max_redirects=args.max_media_redirects,
         cache_bytes=args.media_cache_bytes,
         max_concurrent=args.max_concurrent_media_fetches,

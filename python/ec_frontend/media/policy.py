@@ -38,6 +38,8 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024 * 1024
 #: Bytes the fetched items of one request may have together.
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+#: Bytes of one fetched video.
+DEFAULT_MAX_VIDEO_BYTES = 64 * 1024 * 1024
 #: Redirects followed per item.
 DEFAULT_MAX_REDIRECTS = 5
 #: Fetches from origins in progress at once, server-wide.
@@ -133,6 +135,8 @@ class MediaFetchConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: A video item's byte cap (its bytes also count toward ``max_request_bytes``).
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     max_redirects: int = DEFAULT_MAX_REDIRECTS
     cache_bytes: int = 0
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
@@ -142,7 +146,7 @@ class MediaFetchConfig:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError("the media fetch timeout must be > 0")
-        if self.max_item_bytes <= 0 or self.max_request_bytes <= 0:
+        if min(self.max_item_bytes, self.max_request_bytes, self.max_video_bytes) <= 0:
             raise ValueError("the media byte caps must be > 0")
         if self.max_redirects < 0 or self.cache_bytes < 0:
             raise ValueError("the redirect cap and the cache size must be >= 0")

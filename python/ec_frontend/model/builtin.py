@@ -2,7 +2,7 @@
 
 :func:`ensure_builtin_checkpoint` writes a complete Hugging Face checkpoint
 directory (config, safetensors weights, tokenizer, chat template, image
-processor config) once, then returns its path; it is loaded through the same
+and video processor configs) once, then returns its path; it is loaded through the same
 code path as any local Qwen2-VL checkpoint. Every file is a pure function of the
 code (and the pinned torch / tokenizers versions), so every instance of a
 deployment loads byte-identical weights. The weights are random: the text the
@@ -29,7 +29,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 #: Bumped whenever any byte of the checkpoint would change.
-BUILTIN_VERSION = "v2"
+BUILTIN_VERSION = "v3"
 BUILTIN_NAME = f"qwen2-vl-tiny-{BUILTIN_VERSION}"
 #: The model id a server reports for the built-in model.
 BUILTIN_MODEL_ID = "ec-frontend/qwen2-vl-tiny"
@@ -85,6 +85,7 @@ PRETOKENIZE_REGEX = (
 # <|vision_start|><|image_pad|><|vision_end|>, text parts verbatim.
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}"
+    "{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -98,6 +99,10 @@ CHAT_TEMPLATE = (
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or part['type'] == 'video_url' %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}"
     "{{ part['text'] }}"
     "{% endif %}"
@@ -176,6 +181,7 @@ def write_builtin_checkpoint(directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     _write_json(directory / "tokenizer_config.json", _tokenizer_config(ids))
     _write_json(directory / "preprocessor_config.json", _preprocessor_config())
+    _write_json(directory / "video_preprocessor_config.json", _video_preprocessor_config())
 
 
 def build_tokenizer() -> Tokenizer:
@@ -351,6 +357,18 @@ def _preprocessor_config() -> dict[str, object]:
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "merge_size": SPATIAL_MERGE_SIZE,
     }
+
+
+def _video_preprocessor_config() -> dict[str, object]:
+    """transformers' ``Qwen2VLVideoProcessor`` config: the image values, and a frame
+    pixel range as small as the image one (56x56 frames -> 4 tokens per 2 frames)."""
+    config = _preprocessor_config()
+    del config["image_processor_type"]
+    config.update(
+        video_processor_type="Qwen2VLVideoProcessor",
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    )
+    return config
 
 
 def _corpus() -> list[str]:

@@ -9,13 +9,17 @@ class InputError(ValueError):
     ``code`` is a short machine-readable reason: ``invalid_image``,
     ``image_too_large``, ``too_many_tokens``, ``empty_prompt``,
     ``invalid_token_id``, ``placeholder_mismatch``, ``invalid_features``,
-    ``invalid_media_index``, ``invalid_template``, ``invalid_processor_kwargs``.
+    ``invalid_media_index``, ``invalid_template``, ``invalid_processor_kwargs``,
+    ``invalid_video``, ``video_too_large``, ``video_too_long``, ``unsupported_video``.
+    ``param`` names the request part at fault when one is known (a media item's
+    ``param``, e.g. ``messages[0].content[1].video_url``).
     """
 
-    def __init__(self, message: str, *, code: str) -> None:
+    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.param = param
 
 
 class ModelLoadError(RuntimeError):

@@ -268,6 +268,7 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
             positions=family.positions(config),
             spatial_merge_size=family.spatial_merge_size(config),
             image_tokens=functools.partial(family.num_image_tokens, config),
+            video_rule=family.load_video_rule,
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(

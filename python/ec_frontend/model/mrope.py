@@ -1,10 +1,12 @@
 """Qwen2-VL's multimodal rotary position index (M-RoPE).
 
 Text tokens advance all three components (temporal, height, width) together.
-An image of LLM grid ``(t, h, w)`` (patch grid divided by the spatial merge
-size) placed when the running position is ``p`` gets positions
-``(p + ti, p + hi, p + wi)`` over its grid in row-major order, and the text
-after it resumes at ``p + max(h, w)``. Decoding continues at
+An image or a video of LLM grid ``(t, h, w)`` (patch grid divided by the spatial
+merge size; a video's ``t`` counts its temporal patches) placed when the running
+position is ``p`` gets positions ``(p + ti, p + hi, p + wi)`` over its grid in
+row-major order, and the text after it resumes at ``p + max(h, w)``, as
+transformers' ``get_rope_index`` has it (vLLM 0.33 resumes after a video at
+``p + max(t, h, w)``: ``docs/compatibility.md``). Decoding continues at
 ``index + delta`` with ``delta = max(position) + 1 - len(prompt)``.
 """
 

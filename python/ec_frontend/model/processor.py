@@ -3,9 +3,11 @@
 An :class:`InputProcessor` turns the three request shapes into
 :class:`ProcessedInputs`:
 
-* chat messages with image parts (:meth:`InputProcessor.process_chat`): the
-  chat template renders one ``<|image_pad|>`` per image, which is expanded to
-  as many tokens as the vision tower will emit for that image;
+* chat messages with image and video parts (:meth:`InputProcessor.process_chat`):
+  the chat template renders one ``<|image_pad|>`` per image and one
+  ``<|video_pad|>`` per video, each expanded to as many tokens as the vision
+  tower will emit for the item (a video is decoded and sampled by
+  :mod:`~ec_frontend.model.video`, preprocessed by the family's video rule);
 * a completion prompt, text or token ids (:meth:`InputProcessor.process_prompt`);
 * token ids whose image placeholders are already expanded, with the items'
   hashes and grids (:meth:`InputProcessor.process_generate`); their pixels are
@@ -39,6 +41,7 @@ from ec_frontend.model.native_preprocess import (
     native_preprocessor_for,
 )
 from ec_frontend.model.registry import PositionSpec
+from ec_frontend.model.video import VideoLimits, VideoSampling, decode_video
 
 __all__ = [
     "InputError",
@@ -122,8 +125,15 @@ class InputProcessor:
         positions: PositionSpec | None = None,
         patch_size: int | None = None,
         image_tokens: Callable[[tuple[int, int, int]], int] | None = None,
+        video_token_id: int | None = None,
+        video_rule: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: The video placeholder token and the family's video preprocessing
+        #: (``video_processor.QwenVideoRule``); without both, video parts are refused.
+        self.video_token_id = video_token_id if video_rule is not None else None
+        self.video_rule = video_rule
+        self.video_limits = VideoLimits()
         #: Vision patch size, for image processors that give pixels but no grid
         #: (a fixed-size image is then one frame of ``(h / patch, w / patch)`` patches).
         self.patch_size = patch_size
@@ -160,12 +170,15 @@ class InputProcessor:
         formats: Sequence[str] | None = None,
         max_processor_pixels: int | None = None,
         defer_known_images: bool = True,
+        video_limits: VideoLimits | None = None,
     ) -> None:
         """Server limits: pixels per decoded image, the decoders a request may reach,
         and the largest ``mm_processor_kwargs`` pixel count (default: the checkpoint's
         ``max_pixels``); whether images decoded before are deferred (their encoder
         output is most likely cached)."""
         self.defer_known_images = defer_known_images
+        if video_limits is not None:
+            self.video_limits = video_limits
         if max_image_pixels is not None:
             self.max_image_pixels = max_image_pixels
         if formats is not None:
@@ -192,9 +205,13 @@ class InputProcessor:
         positions: PositionSpec | None = None,
         spatial_merge_size: int | None = None,
         image_tokens: Callable[[tuple[int, int, int]], int] | None = None,
+        video_rule: Callable[[Path, Any], Any] | None = None,
     ) -> InputProcessor:
+        """``video_rule`` builds the family's video preprocessing from the checkpoint
+        directory and its image processor (``ModelFamily.load_video_rule``)."""
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = AutoImageProcessor.from_pretrained(directory)
+        video_token_id = getattr(config, "video_token_id", None)
         return cls(
             tokenizer,
             image_processor,
@@ -210,6 +227,8 @@ class InputProcessor:
             positions=positions,
             patch_size=getattr(config.vision_config, "patch_size", None),
             image_tokens=image_tokens,
+            video_token_id=None if video_token_id is None else int(video_token_id),
+            video_rule=None if video_rule is None else video_rule(directory, image_processor),
         )
 
     def _merged_tokens(self, grid: tuple[int, int, int]) -> int:
@@ -230,13 +249,18 @@ class InputProcessor:
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        media_io_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedInputs:
-        """Render ``messages`` (parts ``text`` / ``image`` with ``media_index``),
-        tokenize, and expand each image's placeholder. ``tools`` (OpenAI's function
-        tools) go to the chat template; an assistant message's tool call arguments
-        are given to it as objects, as Hugging Face templates expect."""
+        """Render ``messages`` (parts ``text`` / ``image`` / ``video`` with
+        ``media_index``), tokenize, and expand each image's and video's placeholder.
+        Videos are sampled by ``media_io_kwargs["video"]`` (vLLM's). ``tools``
+        (OpenAI's function tools) go to the chat template; an assistant message's tool
+        call arguments are given to it as objects, as Hugging Face templates expect."""
         order = _image_order(messages, len(media))
-        size = self._processor_size(mm_processor_kwargs) if order else None
+        video_order = _image_order(messages, len(media), ("video",))
+        if video_order and self.video_token_id is None:
+            raise InputError("this model does not take video input", code="unsupported_video")
+        size = self._processor_size(mm_processor_kwargs) if order or video_order else None
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if reserved:
@@ -264,10 +288,28 @@ class InputProcessor:
                 f"{len(order)} images (is an image token written in the text?)",
                 code="placeholder_mismatch",
             )
+        video_token = self.video_token_id
+        if video_token is not None and ids.count(video_token) != len(video_order):
+            raise InputError(
+                f"the prompt has {ids.count(video_token)} video placeholders but the "
+                f"messages carry {len(video_order)} videos (is a video token written in "
+                "the text?)",
+                code="placeholder_mismatch",
+            )
+        sampling = VideoSampling.from_kwargs(media_io_kwargs)
+        videos = iter([self._video(media[i], i, sampling, size) for i in video_order])
         images = iter(self._images(media, order, size))
         out_ids: list[int] = []
         features: list[MultiModalFeature] = []
         for token in ids:
+            if token == video_token:
+                video_hash, video_grid, video_pixels = next(videos)
+                length = video_grid[0] * video_grid[1] * video_grid[2] // self.spatial_merge_size**2
+                features.append(
+                    MultiModalFeature(video_hash, len(out_ids), length, video_grid, video_pixels)
+                )
+                out_ids.extend([token] * length)
+                continue
             if token != self.image_token_id:
                 out_ids.append(token)
                 continue
@@ -415,6 +457,22 @@ class InputProcessor:
             for i in order
         ]
 
+    def _video(
+        self, item: MediaLike, index: int, sampling: VideoSampling, size: dict[str, int] | None
+    ) -> tuple[str, tuple[int, int, int], torch.Tensor]:
+        """``(mm_hash, grid, pixel_values)`` of a video item: decoded and sampled
+        (bounded by :attr:`video_limits`), then the family's video rule."""
+        param = getattr(item, "param", None)
+        try:
+            decoded = decode_video(
+                item.data, index=index, sampling=sampling, limits=self.video_limits
+            )
+            grid, pixels = self.video_rule.preprocess(decoded.frames, index=index, size=size)
+        except InputError as exc:
+            exc.param = param
+            raise
+        return item.mm_hash, grid, pixels
+
     def _image(
         self, item: MediaLike, index: int, size: dict[str, int] | None
     ) -> tuple[str, tuple[int, int, int], torch.Tensor | None]:
@@ -512,15 +570,19 @@ def _processor_pixel_range(image_processor: Any) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def _image_order(messages: Sequence[Mapping[str, Any]], num_media: int) -> list[int]:
-    """Media indices of the image parts, in rendering order."""
+def _image_order(
+    messages: Sequence[Mapping[str, Any]],
+    num_media: int,
+    kinds: tuple[str, ...] = ("image", "image_url"),
+) -> list[int]:
+    """Media indices of the parts of ``kinds`` (images by default), in rendering order."""
     order: list[int] = []
     for m, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
             continue
         for p, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") not in ("image", "image_url"):
+            if not isinstance(part, Mapping) or part.get("type") not in kinds:
                 continue
             index = part.get("media_index")
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_media:

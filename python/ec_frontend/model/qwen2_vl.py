@@ -50,6 +50,7 @@ FAMILY = ModelFamily(
     weight_prefixes=QWEN_VL_WEIGHT_PREFIXES,
     text_config=qwen2_text_config,
     positions=qwen_mrope_positions,
+    video_rule="ec_frontend.model.video_processor:QwenVideoRule",
 )
 
 

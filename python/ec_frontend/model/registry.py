@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from ec_frontend.model.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import nn
     from transformers import PretrainedConfig
 
@@ -120,7 +122,9 @@ class ModelFamily:
     (default: the Qwen2 decoder). ``image_tokens`` counts an image's placeholder
     tokens from its grid where that is not ``t * h * w / merge**2`` (anyres tiling).
     ``input_processor`` is ``"module:Class"`` of the input processor, for a family whose
-    images depend on their prompt (LLaVA-OneVision).
+    images depend on their prompt (LLaVA-OneVision). ``video_rule`` is ``"module:Class"``
+    of the family's video preprocessing (a class with ``from_checkpoint(directory,
+    image_processor)``); ``None``: the family serves no video (video parts are a 400).
     """
 
     name: str
@@ -136,6 +140,7 @@ class ModelFamily:
     language_model: str = "ec_frontend.model.qwen2_text:Qwen2TextModel"
     image_tokens: Callable[[PretrainedConfig, tuple[int, int, int]], int] | None = None
     input_processor: str = "ec_frontend.model.processor:InputProcessor"
+    video_rule: str | None = None
 
     def build_vision(self, config: PretrainedConfig) -> nn.Module:
         """The vision part, built from the checkpoint config (float32 buffers)."""
@@ -161,6 +166,12 @@ class ModelFamily:
         """The :class:`~ec_frontend.model.processor.InputProcessor` class of the family."""
         processor: type[InputProcessor] = _import(self.input_processor)
         return processor
+
+    def load_video_rule(self, directory: Path, image_processor: Any) -> Any:
+        """The family's video preprocessing for a checkpoint, ``None`` without one."""
+        if self.video_rule is None:
+            return None
+        return _import(self.video_rule).from_checkpoint(directory, image_processor)
 
     def spatial_merge_size(self, config: PretrainedConfig) -> int:
         if self.merge_size is not None:

@@ -3,6 +3,7 @@
 use crate::error::{RequestError, Result};
 use crate::fields::{array, integer_in, missing, object, present, string, type_error, value_error};
 use crate::limits::Limits;
+use crate::media::MediaKind;
 use crate::media_items::MediaCollector;
 use crate::path::Path;
 use crate::request::{Message, Part, Role};
@@ -159,24 +160,12 @@ fn chat_part(part: &Value<'_>, path: &Path<'_>, media: &mut MediaCollector<'_>) 
             })
         }
         "image_url" => {
-            let ip = path.key("image_url");
-            let image = present(part.get("image_url")).ok_or_else(|| missing(&ip))?;
-            let up = ip.key("url");
-            let url = match image {
-                Value::String(s) => s.as_ref(),
-                Value::Object(_) => {
-                    string(present(image.get("url")).ok_or_else(|| missing(&up))?, &up)?
-                }
-                other => return Err(type_error(&ip, "an object with a 'url'", other)),
-            };
-            let url_path = if matches!(image, Value::String(_)) {
-                ip
-            } else {
-                up
-            };
-            let uuid = opt_uuid(part, path)?;
-            let index = media.add_image(url, uuid, &ip, &url_path, &path.key("uuid"))?;
+            let index = url_part(part, path, "image_url", MediaKind::Image, media)?;
             Ok(Part::Image { media_index: index })
+        }
+        "video_url" => {
+            let index = url_part(part, path, "video_url", MediaKind::Video, media)?;
+            Ok(Part::Video { media_index: index })
         }
         "image_embeds" => {
             let ep = path.key("image_embeds");
@@ -194,11 +183,37 @@ fn chat_part(part: &Value<'_>, path: &Path<'_>, media: &mut MediaCollector<'_>) 
         other => Err(value_error(
             &tp,
             format!(
-                "unsupported content part type '{}': expected text, image_url or image_embeds",
+                "unsupported content part type '{}': expected text, image_url, video_url or image_embeds",
                 clip(other)
             ),
         )),
     }
+}
+
+/// The media item of an `image_url` / `video_url` part: `part[field]` is an object with
+/// a `url` (or the URL itself), the optional `uuid` sits beside `type`.
+fn url_part(
+    part: &Value<'_>,
+    path: &Path<'_>,
+    field: &str,
+    kind: MediaKind,
+    media: &mut MediaCollector<'_>,
+) -> Result<usize> {
+    let ip = path.key(field);
+    let value = present(part.get(field)).ok_or_else(|| missing(&ip))?;
+    let up = ip.key("url");
+    let url = match value {
+        Value::String(s) => s.as_ref(),
+        Value::Object(_) => string(present(value.get("url")).ok_or_else(|| missing(&up))?, &up)?,
+        other => return Err(type_error(&ip, "an object with a 'url'", other)),
+    };
+    let url_path = if matches!(value, Value::String(_)) {
+        ip
+    } else {
+        up
+    };
+    let uuid = opt_uuid(part, path)?;
+    media.add_url_item(kind, url, uuid, &ip, &url_path, &path.key("uuid"))
 }
 
 /// The largest grid side accepted in an `image_embeds` reference (in patches); the
@@ -346,7 +361,8 @@ fn responses_part(
                 &up,
             )?;
             let uuid = opt_uuid(part, path)?;
-            let index = media.add_image(url, uuid, &up, &up, &path.key("uuid"))?;
+            let index =
+                media.add_url_item(MediaKind::Image, url, uuid, &up, &up, &path.key("uuid"))?;
             Ok(Part::Image { media_index: index })
         }
         other => Err(value_error(

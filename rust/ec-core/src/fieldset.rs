@@ -67,9 +67,10 @@ pub enum F {
     Tools,
     ToolChoice,
     ParallelToolCalls,
+    MediaIoKwargs,
 }
 
-const COUNT: usize = F::ParallelToolCalls as usize + 1;
+const COUNT: usize = F::MediaIoKwargs as usize + 1;
 
 impl F {
     /// The field of a key, on any endpoint.
@@ -133,6 +134,7 @@ impl F {
             "tools" => F::Tools,
             "tool_choice" => F::ToolChoice,
             "parallel_tool_calls" => F::ParallelToolCalls,
+            "media_io_kwargs" => F::MediaIoKwargs,
             _ => return None,
         })
     }
@@ -206,6 +208,7 @@ const NAMES: [&str; COUNT] = [
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "media_io_kwargs",
 ];
 
 /// A set of fields.
@@ -289,6 +292,7 @@ pub const CHAT: Mask = COMMON.union(SAMPLING).union(Mask::of(&[
     F::Tools,
     F::ToolChoice,
     F::ParallelToolCalls,
+    F::MediaIoKwargs,
 ]));
 
 /// `/v1/completions`.
@@ -330,6 +334,7 @@ pub const RESPONSES: Mask = COMMON.union(Mask::of(&[
     F::Tools,
     F::ToolChoice,
     F::ParallelToolCalls,
+    F::MediaIoKwargs,
 ]));
 
 /// `/inference/v1/generate` top level.
@@ -448,7 +453,6 @@ const UNSUPPORTED: &[(&str, u8, NoOp, &str)] = &[
     ("add_special_tokens", P, NoOp::True, "the tokenizer always adds its special tokens"),
     ("documents", C, NoOp::Empty, "documents for the chat template are not supported"),
     ("chat_template", C, NoOp::Null, "the server's chat template cannot be replaced per request"),
-    ("media_io_kwargs", C | R, NoOp::Empty, "media loading options are not supported"),
     ("priority", C | P | R | G, NoOp::Int(0), "priority scheduling is not enabled (requests are served first come, first served, as vLLM's default fcfs policy serves them)"),
     ("return_tokens_as_token_ids", C | P, NoOp::False, "token ids as logprob tokens are not supported"),
     ("return_weight_versions", C | P, NoOp::False, "weight versions are not tracked"),

@@ -24,7 +24,7 @@ pub mod value;
 pub use error::RequestError;
 pub use json::{parse_body, parse_str};
 pub use limits::Limits;
-pub use media::{compute_mm_hash, decode_data_url, is_valid_mm_hash, DataUrl, KeyScope};
+pub use media::{compute_mm_hash, decode_data_url, is_valid_mm_hash, DataUrl, KeyScope, MediaKind};
 pub use merge::{merge_ec_transfer_params, merge_kv_transfer_params, merge_transfer_params};
 pub use parse::parse_request;
 pub use request::{

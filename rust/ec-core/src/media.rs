@@ -19,6 +19,11 @@ const CONTENT_TAG: &[u8] = b"ec-frontend/mm_hash/content/v2";
 const URL_TAG: &[u8] = b"ec-frontend/mm_hash/url/v2";
 /// Domain tag of the hash of a user-supplied uuid.
 const UUID_TAG: &[u8] = b"ec-frontend/mm_hash/uuid/v2";
+/// Domain tags of the three kinds of video key: a video's key also covers its
+/// sampling options (`media_io_kwargs.video`), so each kind has a tag of its own.
+const VIDEO_CONTENT_TAG: &[u8] = b"ec-frontend/mm_hash/video-content/v1";
+const VIDEO_URL_TAG: &[u8] = b"ec-frontend/mm_hash/video-url/v1";
+const VIDEO_UUID_TAG: &[u8] = b"ec-frontend/mm_hash/video-uuid/v1";
 
 /// Longest accepted hash.
 pub const MAX_HASH_LEN: usize = 128;
@@ -96,16 +101,38 @@ fn update_framed(hasher: &mut blake3::Hasher, field: &[u8]) {
     hasher.update(field);
 }
 
+/// Which media an item is: a video's key also covers its sampling options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    Image,
+    Video,
+}
+
+impl MediaKind {
+    /// `image` or `video`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MediaKind::Image => "image",
+            MediaKind::Video => "video",
+        }
+    }
+}
+
 /// Everything besides the item itself that enters its key: the model, the processor
-/// kwargs and the tenant's `cache_salt`. Every instance of a deployment builds the
-/// same scope from the same request, so encoder and prefill/decode agree on keys.
+/// kwargs and the tenant's `cache_salt`, and for a video its sampling options. Every
+/// instance of a deployment builds the same scope from the same request, so encoder
+/// and prefill/decode agree on keys.
 pub struct KeyScope<'s> {
     model_id: &'s str,
     /// Canonical JSON of the processor kwargs (`""` when none).
     kwargs: String,
     cache_salt: Option<&'s str>,
-    /// Hashers primed with everything but the item, one per kind; made on first use.
-    primed: [OnceCell<blake3::Hasher>; 3],
+    /// Canonical JSON of `media_io_kwargs.video` (`""` when none): how a video's frames
+    /// are sampled, which changes its encoder output.
+    video: String,
+    /// Hashers primed with everything but the item, one per kind of key (image
+    /// content, URL, uuid, then the same for videos); made on first use.
+    primed: [OnceCell<blake3::Hasher>; 6],
 }
 
 impl<'s> KeyScope<'s> {
@@ -122,18 +149,37 @@ impl<'s> KeyScope<'s> {
                 .map(Value::canonical_json)
                 .unwrap_or_default(),
             cache_salt,
+            video: String::new(),
             primed: Default::default(),
         }
     }
 
-    fn key(&self, kind: usize, tag: &[u8], item: &[u8]) -> String {
-        let primed = self.primed[kind].get_or_init(|| {
+    /// The scope with a video's sampling options (vLLM's `media_io_kwargs.video`):
+    /// they enter every video key, never an image key.
+    pub fn with_video_options(mut self, options: Option<&Value<'_>>) -> Self {
+        self.video = options.map(Value::canonical_json).unwrap_or_default();
+        self
+    }
+
+    fn key(&self, slot: usize, item: &[u8]) -> String {
+        const TAGS: [&[u8]; 6] = [
+            CONTENT_TAG,
+            URL_TAG,
+            UUID_TAG,
+            VIDEO_CONTENT_TAG,
+            VIDEO_URL_TAG,
+            VIDEO_UUID_TAG,
+        ];
+        let primed = self.primed[slot].get_or_init(|| {
             let mut hasher = blake3::Hasher::new();
-            update_framed(&mut hasher, tag);
+            update_framed(&mut hasher, TAGS[slot]);
             update_framed(&mut hasher, self.model_id.as_bytes());
             update_framed(&mut hasher, self.kwargs.as_bytes());
             update_framed(&mut hasher, &[u8::from(self.cache_salt.is_some())]);
             update_framed(&mut hasher, self.cache_salt.unwrap_or("").as_bytes());
+            if slot >= 3 {
+                update_framed(&mut hasher, self.video.as_bytes());
+            }
             hasher
         });
         let mut hasher = primed.clone();
@@ -141,22 +187,46 @@ impl<'s> KeyScope<'s> {
         hasher.finalize().to_hex().to_string()
     }
 
-    /// The key of an inline item: its decoded bytes under the content tag.
-    pub fn content_hash(&self, data: &[u8]) -> String {
-        self.key(0, CONTENT_TAG, data)
+    fn slot(kind: MediaKind, base: usize) -> usize {
+        match kind {
+            MediaKind::Image => base,
+            MediaKind::Video => base + 3,
+        }
     }
 
-    /// The key of an item referenced by URL (its content is not in the request): the
+    /// The key of an inline image: its decoded bytes under the content tag.
+    pub fn content_hash(&self, data: &[u8]) -> String {
+        self.key(0, data)
+    }
+
+    /// The key of an inline item of `kind`: its decoded bytes (and for a video, the
+    /// scope's sampling options) under the kind's content tag.
+    pub fn content_hash_of(&self, kind: MediaKind, data: &[u8]) -> String {
+        self.key(Self::slot(kind, 0), data)
+    }
+
+    /// The key of an image referenced by URL (its content is not in the request): the
     /// URL in place of the bytes, under its own tag.
     pub fn url_hash(&self, url: &str) -> String {
-        self.key(1, URL_TAG, url.as_bytes())
+        self.key(1, url.as_bytes())
     }
 
-    /// The key of an item named by a user-supplied `uuid`: always hashed under the uuid
+    /// As [`KeyScope::url_hash`], for an item of `kind`.
+    pub fn url_hash_of(&self, kind: MediaKind, url: &str) -> String {
+        self.key(Self::slot(kind, 1), url.as_bytes())
+    }
+
+    /// The key of an image named by a user-supplied `uuid`: always hashed under the uuid
     /// tag, whatever the uuid looks like (a uuid that is itself lower-case hex is not
     /// used as the key: it could be another item's content hash).
     pub fn uuid_hash(&self, uuid: &str) -> String {
-        self.key(2, UUID_TAG, uuid.as_bytes())
+        self.key(2, uuid.as_bytes())
+    }
+
+    /// As [`KeyScope::uuid_hash`], for an item of `kind`: a video named by its uuid
+    /// still gets one key per way of sampling it.
+    pub fn uuid_hash_of(&self, kind: MediaKind, uuid: &str) -> String {
+        self.key(Self::slot(kind, 2), uuid.as_bytes())
     }
 }
 

@@ -3,7 +3,9 @@
 use crate::error::{RequestError, Result};
 use crate::fields::value_error;
 use crate::limits::Limits;
-use crate::media::{decode_base64, decoded_len_bound, split_data_url, KeyScope, MAX_UUID_LEN};
+use crate::media::{
+    decode_base64, decoded_len_bound, split_data_url, KeyScope, MediaKind, MAX_UUID_LEN,
+};
 use crate::path::Path;
 use crate::request::MediaItem;
 use crate::value::Value;
@@ -18,25 +20,30 @@ pub struct MediaCollector<'l> {
 }
 
 impl<'l> MediaCollector<'l> {
-    /// `model_id`, the processor kwargs and `cache_salt` enter every key of this request.
+    /// `model_id`, the processor kwargs and `cache_salt` enter every key of this request;
+    /// `video_options` (`media_io_kwargs.video`) every video key.
     pub fn new(
         limits: &'l Limits,
         model_id: &'l str,
         processor_kwargs: Option<&Value<'_>>,
         cache_salt: Option<&'l str>,
+        video_options: Option<&Value<'_>>,
     ) -> Self {
         Self {
             limits,
-            scope: KeyScope::new(model_id, processor_kwargs, cache_salt),
+            scope: KeyScope::new(model_id, processor_kwargs, cache_salt)
+                .with_video_options(video_options),
             total_bytes: 0,
             items: Vec::new(),
         }
     }
 
-    /// Adds one image given by `url` (a base64 `data:` URL, an http(s) URL or a `file://` URL) found at
+    /// Adds one image or video given by `url` (a base64 `data:` URL whose media type is
+    /// `image/*` or `video/*` as `kind` says, an http(s) URL or a `file://` URL) found at
     /// `url_path`; `item_path` is what [`MediaItem::param`] reports. Returns its index.
-    pub fn add_image(
+    pub fn add_url_item(
         &mut self,
+        kind: MediaKind,
         url: &str,
         uuid: Option<&str>,
         item_path: &Path<'_>,
@@ -53,10 +60,18 @@ impl<'l> MediaCollector<'l> {
         let item = if is_data {
             let (mime, payload) = split_data_url(url).map_err(|e| e.at(url_path.render()))?;
             let mime = mime.to_ascii_lowercase();
-            if !mime.starts_with("image/") {
+            let family = kind.as_str();
+            if mime
+                .strip_prefix(family)
+                .and_then(|r| r.strip_prefix('/'))
+                .is_none()
+            {
                 return Err(RequestError::InvalidDataUrl {
                     param: Some(url_path.render()),
-                    message: format!("data: URL media type must be image/*, got '{mime}'"),
+                    message: format!(
+                        "data: URL media type must be {family}/*, got '{}'",
+                        crate::content::clip(&mime)
+                    ),
                 });
             }
             let room = self.limits.max_media_bytes.saturating_sub(self.total_bytes);
@@ -82,11 +97,11 @@ impl<'l> MediaCollector<'l> {
             }
             self.total_bytes += data.len();
             let mm_hash = match uuid {
-                Some(u) => self.scope.uuid_hash(u),
-                None => self.scope.content_hash(&data),
+                Some(u) => self.scope.uuid_hash_of(kind, u),
+                None => self.scope.content_hash_of(kind, &data),
             };
             MediaItem {
-                kind: "image",
+                kind: kind.as_str(),
                 mime_type: Some(mime),
                 data: Some(data),
                 url: None,
@@ -105,15 +120,18 @@ impl<'l> MediaCollector<'l> {
             {
                 return Err(value_error(
                     url_path,
-                    "image URL must be an http(s) URL, a file:// URL or a base64 data: URL",
+                    format!(
+                        "{} URL must be an http(s) URL, a file:// URL or a base64 data: URL",
+                        kind.as_str()
+                    ),
                 ));
             }
             let mm_hash = match uuid {
-                Some(u) => self.scope.uuid_hash(u),
-                None => self.scope.url_hash(url),
+                Some(u) => self.scope.uuid_hash_of(kind, u),
+                None => self.scope.url_hash_of(kind, url),
             };
             MediaItem {
-                kind: "image",
+                kind: kind.as_str(),
                 mime_type: None,
                 data: None,
                 url: Some(url.to_owned()),

@@ -132,6 +132,8 @@ pub fn parse_request(
     }
     keep(4)?;
 
+    keep(5)?;
+
     let cache_salt = cache_salt(fields.raw(F::CacheSalt))?;
     req.cache_salt = cache_salt.map(str::to_owned);
     let mut media = MediaCollector::new(
@@ -139,6 +141,7 @@ pub fn parse_request(
         model_id,
         fields.get(F::MmProcessorKwargs),
         cache_salt,
+        video_options(fields.get(F::MediaIoKwargs))?,
     );
     let mut extra_args = None;
     match endpoint {
@@ -250,9 +253,10 @@ pub fn parse_request(
     let mut take = |i: usize| {
         kept[i].map(|at| std::mem::replace(&mut members[at].1, Value::Null).into_owned())
     };
-    let [kv_transfer_params, ec_transfer_params, mm_processor_kwargs, chat_template_kwargs, xargs] =
+    let [kv_transfer_params, ec_transfer_params, mm_processor_kwargs, chat_template_kwargs, xargs, media_io_kwargs] =
         std::array::from_fn(&mut take);
     req.mm_processor_kwargs = mm_processor_kwargs;
+    req.media_io_kwargs = media_io_kwargs;
     req.chat_template_kwargs = chat_template_kwargs;
     let base_xargs = match (extra_args, xargs) {
         (Some(Value::Object(mut inner)), Some(Value::Object(top))) => {
@@ -272,13 +276,70 @@ pub fn parse_request(
 }
 
 /// The top-level fields kept as owned objects, in the order they are checked.
-const OBJECT_FIELDS: [(F, &str); 5] = [
+const OBJECT_FIELDS: [(F, &str); 6] = [
     (F::KvTransferParams, "kv_transfer_params"),
     (F::EcTransferParams, "ec_transfer_params"),
     (F::MmProcessorKwargs, "mm_processor_kwargs"),
     (F::ChatTemplateKwargs, "chat_template_kwargs"),
     (F::VllmXargs, "vllm_xargs"),
+    (F::MediaIoKwargs, "media_io_kwargs"),
 ];
+
+/// The largest `media_io_kwargs.video.num_frames` accepted here (the server's
+/// `--max-video-frames` is the real bound, checked before decoding).
+pub const MAX_NUM_FRAMES: i64 = 1 << 20;
+
+/// vLLM's `media_io_kwargs` (already checked to be an object): its `video` entry holds
+/// `num_frames` (an integer; 0 or less: every frame) and `fps` (a number; 0 or less: the
+/// source rate), as vLLM's video loader reads them. An `image` entry must be empty
+/// (vLLM's image loader takes no per-request options this server applies); anything
+/// else is refused with its path. Returns the `video` object, which enters every video
+/// key.
+fn video_options<'v, 'a>(v: Option<&'v Value<'a>>) -> Result<Option<&'v Value<'a>>> {
+    let path = ROOT.key("media_io_kwargs");
+    let Some(v) = v else { return Ok(None) };
+    let mut video = None;
+    for (key, value) in object(v, &path)? {
+        let at = path.key(key);
+        match key.as_ref() {
+            "video" => {
+                for (name, option) in object(value, &at)? {
+                    let op = at.key(name);
+                    match name.as_ref() {
+                        "num_frames" => {
+                            integer_in(option, &op, -1, MAX_NUM_FRAMES)?;
+                        }
+                        "fps" => {
+                            crate::fields::number_in(option, &op, -1.0e6, 1.0e6, false)?;
+                        }
+                        other => {
+                            return Err(value_error(
+                                &op,
+                                format!(
+                                    "unsupported video option '{}': expected num_frames or fps",
+                                    crate::content::clip(other)
+                                ),
+                            ))
+                        }
+                    }
+                }
+                video = Some(value);
+            }
+            "image" if matches!(value, Value::Object(m) if m.is_empty()) => {}
+            other => {
+                return Err(value_error(
+                    &at,
+                    format!(
+                        "unsupported media_io_kwargs entry '{}': only 'video' (num_frames, fps) \
+                         is applied",
+                        crate::content::clip(other)
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(video)
+}
 
 /// The extra Responses outputs vLLM 0.33 knows; only the output text's logprobs are
 /// served here.

@@ -140,6 +140,10 @@ pub enum Part {
     Image {
         media_index: usize,
     },
+    /// An index into [`ParsedRequest::media`] (a `video_url` part).
+    Video {
+        media_index: usize,
+    },
 }
 
 /// A chat message with its content as parts.
@@ -179,7 +183,7 @@ pub enum Prompt {
 /// One media item, in order of appearance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MediaItem {
-    /// Always `image` for now.
+    /// `image` or `video`.
     pub kind: &'static str,
     /// The media type of an inline item (`image/png`); `None` for a URL reference.
     pub mime_type: Option<String>,
@@ -272,6 +276,9 @@ pub struct ParsedRequest {
     #[serde(skip)]
     pub has_ec_transfer_params: bool,
     pub mm_processor_kwargs: Option<OwnedValue>,
+    /// vLLM's `media_io_kwargs` (chat, responses): `{"video": {"num_frames", "fps"}}`,
+    /// checked; its `video` object enters every video key.
+    pub media_io_kwargs: Option<OwnedValue>,
     pub chat_template_kwargs: Option<OwnedValue>,
     pub add_generation_prompt: bool,
     pub echo: bool,
@@ -312,6 +319,7 @@ impl ParsedRequest {
             has_kv_transfer_params: false,
             has_ec_transfer_params: false,
             mm_processor_kwargs: None,
+            media_io_kwargs: None,
             chat_template_kwargs: None,
             add_generation_prompt: true,
             echo: false,

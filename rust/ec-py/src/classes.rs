@@ -127,6 +127,7 @@ impl PyLimits {
 /// One media item of a request, in order of appearance.
 #[pyclass(module = "ec_frontend._core", name = "MediaItem", frozen)]
 pub struct PyMediaItem {
+    kind: &'static str,
     mime_type: Option<String>,
     /// The decoded bytes until `.data` is first read; then moved into `data`.
     raw: Mutex<Option<Vec<u8>>>,
@@ -149,6 +150,7 @@ impl PyMediaItem {
             raw: Mutex::new(item.data),
             data: OnceLock::new(),
             len,
+            kind: item.kind,
             mime_type: item.mime_type,
             url: item.url,
             uuid: item.uuid,
@@ -163,7 +165,7 @@ impl PyMediaItem {
 impl PyMediaItem {
     #[getter]
     fn kind(&self) -> &'static str {
-        "image"
+        self.kind
     }
     #[getter]
     fn mime_type(&self) -> Option<&str> {
@@ -222,11 +224,12 @@ impl PyMediaItem {
         }
         match &self.url {
             Some(url) => format!(
-                "MediaItem(kind='image', url={url:?}, mm_hash='{}')",
-                self.mm_hash
+                "MediaItem(kind='{}', url={url:?}, mm_hash='{}')",
+                self.kind, self.mm_hash
             ),
             None => format!(
-                "MediaItem(kind='image', mime_type={:?}, len={}, mm_hash='{}')",
+                "MediaItem(kind='{}', mime_type={:?}, len={}, mm_hash='{}')",
+                self.kind,
                 self.mime_type.as_deref().unwrap_or(""),
                 self.len,
                 self.mm_hash
@@ -314,6 +317,10 @@ fn messages_to_py<'py>(py: Python<'py>, messages: &[Message]) -> PyResult<Bound<
                 }
                 Part::Image { media_index } => {
                     p.set_item(intern!(py, "type"), intern!(py, "image"))?;
+                    p.set_item(intern!(py, "media_index"), *media_index)?;
+                }
+                Part::Video { media_index } => {
+                    p.set_item(intern!(py, "type"), intern!(py, "video"))?;
                     p.set_item(intern!(py, "media_index"), *media_index)?;
                 }
             }
@@ -472,6 +479,10 @@ impl PyParsedRequest {
     #[getter]
     fn mm_processor_kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         opt_value_to_py(py, self.inner.mm_processor_kwargs.as_ref())
+    }
+    #[getter]
+    fn media_io_kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        opt_value_to_py(py, self.inner.media_io_kwargs.as_ref())
     }
     #[getter]
     fn chat_template_kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -131,18 +131,37 @@ fn kwargs_value(
         .transpose()
 }
 
+/// `image` or `video`.
+fn media_kind(kind: &str) -> PyResult<ec_core::MediaKind> {
+    match kind {
+        "image" => Ok(ec_core::MediaKind::Image),
+        "video" => Ok(ec_core::MediaKind::Video),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(
+            "kind must be 'image' or 'video'",
+        )),
+    }
+}
+
 /// The content hash `parse_request` gives an inline item.
 #[pyfunction]
-#[pyo3(signature = (data, *, model_id = "", processor_kwargs = None, cache_salt = None))]
+#[pyo3(signature = (data, *, model_id = "", processor_kwargs = None, cache_salt = None, kind = "image", video_options = None))]
 fn compute_mm_hash(
     py: Python<'_>,
     data: &[u8],
     model_id: &str,
     processor_kwargs: Option<&Bound<'_, PyAny>>,
     cache_salt: Option<&str>,
+    kind: &str,
+    video_options: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<String> {
+    let kind = media_kind(kind)?;
     let kwargs = kwargs_value(py, processor_kwargs)?;
-    let hash = || ec_core::KeyScope::new(model_id, kwargs.as_ref(), cache_salt).content_hash(data);
+    let video = kwargs_value(py, video_options)?;
+    let hash = || {
+        ec_core::KeyScope::new(model_id, kwargs.as_ref(), cache_salt)
+            .with_video_options(video.as_ref())
+            .content_hash_of(kind, data)
+    };
     Ok(if data.len() >= DETACH_MIN_BODY_BYTES {
         py.detach(hash)
     } else {
@@ -152,16 +171,24 @@ fn compute_mm_hash(
 
 /// The key `parse_request` gives an item that names itself by `uuid`.
 #[pyfunction]
-#[pyo3(signature = (uuid, *, model_id = "", processor_kwargs = None, cache_salt = None))]
+#[pyo3(signature = (uuid, *, model_id = "", processor_kwargs = None, cache_salt = None, kind = "image", video_options = None))]
 fn hash_for_uuid(
     py: Python<'_>,
     uuid: &str,
     model_id: &str,
     processor_kwargs: Option<&Bound<'_, PyAny>>,
     cache_salt: Option<&str>,
+    kind: &str,
+    video_options: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<String> {
+    let kind = media_kind(kind)?;
     let kwargs = kwargs_value(py, processor_kwargs)?;
-    Ok(ec_core::KeyScope::new(model_id, kwargs.as_ref(), cache_salt).uuid_hash(uuid))
+    let video = kwargs_value(py, video_options)?;
+    Ok(
+        ec_core::KeyScope::new(model_id, kwargs.as_ref(), cache_salt)
+            .with_video_options(video.as_ref())
+            .uuid_hash_of(kind, uuid),
+    )
 }
 
 /// `(mime_type, bytes)` of a base64 `data:` URL.

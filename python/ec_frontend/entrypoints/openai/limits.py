@@ -20,12 +20,13 @@ import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, probe_image
+from ec_frontend.model.video import VideoLimits
 
 T = TypeVar("T")
 
@@ -59,6 +60,8 @@ class ResourceLimits:
     max_engine_requests: int = 1024
     processing_workers: int = 0
     max_processing_queue: int = 64
+    #: Bounds on each video (``--max-video-*``), checked where it is decoded.
+    video: VideoLimits = field(default_factory=VideoLimits)
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:
@@ -89,6 +92,8 @@ def check_media(media: Sequence[Any], limits: ResourceLimits) -> None:
         )
     total = 0
     for i, item in enumerate(media):
+        if item.kind == "video":
+            continue  # bounded by --max-video-* where it is decoded (model/video.py)
         data = item.data
         if data is None:
             continue

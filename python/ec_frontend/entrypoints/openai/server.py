@@ -171,6 +171,7 @@ class App:
                 max_image_pixels=limits.max_image_pixels,
                 formats=limits.image_formats,
                 max_processor_pixels=limits.max_processor_pixels,
+                video_limits=limits.video,
             )
         self.tokenizer = getattr(processor, "tokenizer", None)
         self.created = int(time.time())

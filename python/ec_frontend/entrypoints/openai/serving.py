@@ -148,6 +148,7 @@ class Serving:
                 model_id=self.config.model_id,
                 processor_kwargs=parsed.mm_processor_kwargs,
                 cache_salt=parsed.cache_salt,
+                video_options=(parsed.media_io_kwargs or {}).get("video"),
             )
         except MediaError as exc:
             raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
@@ -272,7 +273,7 @@ class Serving:
             raise APIError(
                 400,
                 f"could not process the request inputs: {exc}",
-                param=_PARAM_OF_CODE.get(code),
+                param=getattr(exc, "param", None) or _PARAM_OF_CODE.get(code),
                 code=code,
             ) from exc
 
@@ -294,6 +295,7 @@ class Serving:
             add_generation_prompt=parsed.add_generation_prompt,
             chat_template_kwargs=parsed.chat_template_kwargs,
             mm_processor_kwargs=parsed.mm_processor_kwargs,
+            media_io_kwargs=parsed.media_io_kwargs,
             **extra,
             **continuation(parsed),
         )

@@ -1,0 +1,157 @@
+"""Sampled video frames -> ``pixel_values_videos`` and ``video_grid_thw`` by the
+Qwen2-VL video rule, equal to transformers' ``Qwen2VLVideoProcessor``.
+
+Contract of :class:`QwenVideoRule` (values from the checkpoint's
+``video_preprocessor_config.json``, else its image processor's, with
+transformers' video defaults for the pixel range):
+
+* every frame of a video is resized to one size, ``smart_resize`` of the frame
+  size with factor ``patch_size * merge_size`` into ``[min_pixels, max_pixels]``
+  (a request's ``mm_processor_kwargs`` override the two); frames that already
+  have that size are not resampled (as transformers' resize, which returns
+  such frames unchanged); others are resampled bicubically by Pillow, as
+  transformers' PIL image backend does (its torchvision video backend differs
+  by a rounding on some pixels: ``docs/video.md``);
+* rescale and normalize are fused as transformers fuses them
+  (``(x - mean / r) / (std / r)`` in float32);
+* the frame count is padded to a multiple of ``temporal_patch_size`` by
+  repeating the last frame, and consecutive frames form one temporal patch:
+  the grid is ``(frames / temporal_patch_size, h / patch, w / patch)`` and the
+  rows are in transformers' order (merge windows contiguous).
+
+The model then reads a video exactly as an image with ``t`` temporal patches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ec_frontend.model.errors import InputError
+
+#: transformers' ``Qwen2VLVideoProcessor`` pixel range (``size`` of the class).
+DEFAULT_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_MAX_PIXELS = 28 * 28 * 768
+#: Aspect ratios beyond this are refused, as ``smart_resize`` refuses them.
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """The Qwen2-VL target size: both sides multiples of ``factor``, the area within
+    ``[min_pixels, max_pixels]``, the aspect ratio kept as far as rounding allows."""
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(f"the aspect ratio must be below {MAX_ASPECT_RATIO}, got {ratio:g}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVideoRule:
+    """The Qwen2-VL video rule of one checkpoint (module docstring)."""
+
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+
+    @classmethod
+    def from_checkpoint(cls, directory: Path, image_processor: Any) -> QwenVideoRule:
+        """The rule of ``directory``'s ``video_preprocessor_config.json`` when it has one,
+        else of its image processor's values with transformers' video pixel range."""
+        path = directory / "video_preprocessor_config.json"
+        raw: Mapping[str, Any] = {}
+        if path.is_file():
+            raw = json.loads(path.read_text(encoding="utf-8"))
+
+        def pick(key: str, default: Any) -> Any:
+            value = raw.get(key)
+            return default if value is None else value
+
+        size = raw.get("size") or {}
+        image = getattr(image_processor, "__dict__", {})
+        mean = pick("image_mean", image.get("image_mean", (0.48145466, 0.4578275, 0.40821073)))
+        std = pick("image_std", image.get("image_std", (0.26862954, 0.26130258, 0.27577711)))
+        return cls(
+            min_pixels=int(pick("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))),
+            max_pixels=int(pick("max_pixels", size.get("longest_edge", DEFAULT_MAX_PIXELS))),
+            patch_size=int(pick("patch_size", image.get("patch_size", 14))),
+            temporal_patch_size=int(
+                pick("temporal_patch_size", image.get("temporal_patch_size", 2))
+            ),
+            merge_size=int(pick("merge_size", image.get("merge_size", 2))),
+            image_mean=(float(mean[0]), float(mean[1]), float(mean[2])),
+            image_std=(float(std[0]), float(std[1]), float(std[2])),
+            rescale_factor=float(pick("rescale_factor", 1 / 255)),
+        )
+
+    def target_size(
+        self, height: int, width: int, size: Mapping[str, int] | None = None
+    ) -> tuple[int, int]:
+        low, high = self.min_pixels, self.max_pixels
+        if size is not None:
+            low = int(size.get("shortest_edge", low))
+            high = int(size.get("longest_edge", high))
+        return smart_resize(height, width, self.patch_size * self.merge_size, low, high)
+
+    def preprocess(
+        self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
+    ) -> tuple[tuple[int, int, int], torch.Tensor]:
+        """``(grid_thw, pixel_values [t*h*w, 3*temporal*patch*patch] float32)`` of
+        ``frames`` (``[n, H, W, 3]`` uint8 RGB)."""
+        _, height, width, _ = frames.shape
+        try:
+            th, tw = self.target_size(height, width, size)
+        except ValueError as exc:
+            raise InputError(
+                f"video {index} cannot be processed: {exc}", code="invalid_video"
+            ) from exc
+        if (th, tw) != (height, width):
+            frames = np.stack(
+                [
+                    np.asarray(Image.fromarray(f).resize((tw, th), Image.Resampling.BICUBIC))
+                    for f in frames
+                ]
+            )
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # n, 3, H, W
+        mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+        std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+        video = video.to(torch.float32).sub_(mean[:, None, None]).div_(std[:, None, None])
+        return self._patchify(video)
+
+    def _patchify(self, video: torch.Tensor) -> tuple[tuple[int, int, int], torch.Tensor]:
+        temporal, patch, merge = self.temporal_patch_size, self.patch_size, self.merge_size
+        n, channels, height, width = video.shape
+        if pad := -n % temporal:
+            video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)), dim=0)
+            n += pad
+        gt, gh, gw = n // temporal, height // patch, width // patch
+        patches = video.view(
+            gt, temporal, channels, gh // merge, merge, patch, gw // merge, merge, patch
+        )
+        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        flat = patches.reshape(gt * gh * gw, channels * temporal * patch * patch)
+        return (gt, gh, gw), flat.contiguous()

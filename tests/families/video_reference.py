@@ -1,0 +1,56 @@
+"""transformers' own Qwen2-VL processor, with its video processor
+(``Qwen2VLVideoProcessor``, which needs torchvision), over the video cases of
+``test_qwen2_vl_video.py``, in a process whose path has the test-only torchvision
+install (see ``tests/preprocess/torchvision_reference.py``).
+
+Reads ``IN.npz`` (``checkpoint``, and per case ``<case>/text``, ``<case>/video``:
+the sampled frames ``[n, H, W, 3]`` uint8, ``<case>/image``: PNG bytes or empty) and
+writes what the processor returns per case to ``OUT.npz``. Images go through the
+PIL image backend, as in the server's environment.
+
+Run: ``PYTHONPATH=<venv>/extras/torchvision python video_reference.py IN.npz OUT.npz``.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import torchvision
+from PIL import Image
+from transformers import PreTrainedTokenizerFast, Qwen2VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+
+def main(in_path: str, out_path: str) -> None:
+    cases = np.load(in_path)
+    directory = Path(str(cases["checkpoint"]))
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(directory),
+        video_processor=Qwen2VLVideoProcessor.from_pretrained(directory),
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(directory),
+        chat_template=(directory / "chat_template.jinja").read_text(encoding="utf-8"),
+    )
+    out: dict[str, np.ndarray] = {"torchvision_version": np.array(torchvision.__version__)}
+    names = sorted({key.split("/")[0] for key in cases.files if "/" in key})
+    for name in names:
+        png = cases[f"{name}/image"].tobytes()
+        images = [Image.open(io.BytesIO(png)).convert("RGB")] if png else None
+        result = processor(
+            text=[str(cases[f"{name}/text"])],
+            images=images,
+            videos=[cases[f"{name}/video"]],
+            do_sample_frames=False,
+            cap_pixels_per_frame=False,
+            return_tensors="np",
+        )
+        for key, value in result.items():
+            out[f"{name}/{key}"] = np.asarray(value)
+    np.savez(out_path, **out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
