@@ -159,8 +159,12 @@ class EngineCore:
     @staticmethod
     def load_model(config: EngineConfig, path: Path) -> VisionLanguageModel:
         """The model of the checkpoint at ``path`` as ``config`` asks for it."""
+        import torch
+
         from ec_frontend.model.loader import load_model
 
+        # --seed: unseeded sampling and dummy weights draw from this state.
+        torch.manual_seed(config.seed)
         return load_model(
             path,
             device=config.device,

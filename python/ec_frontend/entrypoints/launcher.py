@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from ec_frontend.engine.core_proc import EngineProcess
+from ec_frontend.entrypoints.http.cli_args import FrontendSettings
 from ec_frontend.entrypoints.http.protocol import HttpLimits, connection_cap, uvicorn_http_settings
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
+from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.server import App, ServerConfig, build_app
 from ec_frontend.errors import StartupError
 
@@ -42,6 +44,20 @@ class ServeOptions:
     """Everything ``ec-frontend serve`` was asked for."""
 
     model: str | None = None
+    #: With a Hugging Face id: the branch, tag or commit (``--revision``).
+    revision: str | None = None
+    #: Seeds the engine's random state at startup (``--seed``).
+    seed: int = 0
+    max_logprobs: int = MAX_LOGPROBS
+    #: A Jinja chat template in place of the checkpoint's (``--chat-template``).
+    chat_template: str | None = None
+    #: CORS, root path, TLS and uvicorn's log level.
+    frontend: FrontendSettings = field(default_factory=FrontendSettings)
+    #: The periodic stats line (``--disable-log-stats`` turns it off).
+    log_stats: bool = True
+    #: Log request bodies (``--enable-log-requests``), up to ``max_log_len`` characters.
+    log_requests: bool = False
+    max_log_len: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -216,6 +232,9 @@ def serve(
             spawned.kill()
     names = opts.served_model_names or ((opts.model or model_id),)
     processor = getattr(engine, "processor", None)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if opts.chat_template is not None and tokenizer is not None:
+        tokenizer.chat_template = opts.chat_template
     seqs = engine_max_num_seqs(engine, opts)
     engine_requests = engine_request_limit(opts, seqs)
     limits = replace(opts.limits, max_engine_requests=engine_requests)
@@ -237,16 +256,19 @@ def serve(
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         tool_call_parser=opts.tool_call_parser,
         media=opts.media,
+        max_logprobs=opts.max_logprobs,
     )
     app, core = build_app(engine, config)
+    app = opts.frontend.wrap(app)
     if wrap_app is not None:
         app = wrap_app(app)
     uv_config = uvicorn.Config(
         app,
         host=opts.host,
         port=opts.port,
-        log_level=opts.log_level,
+        log_level=opts.frontend.uvicorn_log_level or opts.log_level,
         access_log=opts.access_log,
+        **opts.frontend.uvicorn_kwargs(),
         loop=_pick("uvloop", "asyncio"),
         **uvicorn_http_settings(http, core.metrics.refused),
         lifespan="off",
@@ -257,7 +279,8 @@ def serve(
     watch = getattr(engine, "add_death_callback", None)
     if watch is not None:
         watch(lambda reason: _engine_died(server, died, reason))
-    log.info("serving %s on http://%s:%d", ", ".join(names), opts.host, opts.port)
+    scheme = opts.frontend.scheme
+    log.info("serving %s on %s://%s:%d", ", ".join(names), scheme, opts.host, opts.port)
     try:
         server.run(sockets=sockets)
     finally:

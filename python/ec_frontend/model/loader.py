@@ -99,7 +99,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return resolved
 
 
-def resolve_model_path(model: str | Path) -> Path:
+def resolve_model_path(model: str | Path, revision: str | None = None) -> Path:
     """A local checkpoint directory for ``--model``.
 
     An existing path is used as it is. Anything else that reads as a Hugging Face
@@ -107,10 +107,15 @@ def resolve_model_path(model: str | Path) -> Path:
     (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
     when it is not there and the hub is not offline (``HF_HUB_OFFLINE`` unset),
     the checkpoint's files (:data:`HUB_FILE_PATTERNS`) are downloaded into that
-    cache first. Raises :class:`ModelLoadError`.
+    cache first. ``revision`` (a branch, tag or commit) picks the hub snapshot;
+    a directory has none. Raises :class:`ModelLoadError`.
     """
     path = Path(model)
     if path.exists():
+        if revision is not None:
+            raise ModelLoadError(
+                f"--revision {revision!r} applies to a Hugging Face id, not a directory"
+            )
         return path
     name = str(model)
     parts = name.split("/")
@@ -125,7 +130,13 @@ def resolve_model_path(model: str | Path) -> Path:
     cache = _hub_cache_dir()
     try:
         return Path(
-            snapshot_download(name, allow_patterns=patterns, cache_dir=cache, local_files_only=True)
+            snapshot_download(
+                name,
+                revision=revision,
+                allow_patterns=patterns,
+                cache_dir=cache,
+                local_files_only=True,
+            )
         )
     except LocalEntryNotFoundError:
         pass
@@ -138,7 +149,9 @@ def resolve_model_path(model: str | Path) -> Path:
             f"{name}`, or unset HF_HUB_OFFLINE)"
         )
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns, cache_dir=cache))
+        return Path(
+            snapshot_download(name, revision=revision, allow_patterns=patterns, cache_dir=cache)
+        )
     except Exception as exc:
         raise ModelLoadError(
             f"--model {name!r}: download from the Hugging Face hub failed: {exc}"

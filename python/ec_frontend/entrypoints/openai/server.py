@@ -52,6 +52,7 @@ from ec_frontend.entrypoints.openai.generate_api import generate_body, generate_
 from ec_frontend.entrypoints.openai.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.responses_api import response_body, response_stream
+from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
 from ec_frontend.media import FetchMetrics, MediaFetchConfig, MediaFetcher
 from ec_frontend.metrics import ServerMetrics, render
@@ -96,6 +97,8 @@ class ServerConfig:
     tool_call_parser: str | None = None
     #: Media by URL (``--allowed-media-domains`` ...); ``None``: URL items are refused.
     media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
+    #: ``--max-logprobs``.
+    max_logprobs: int = MAX_LOGPROBS
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -161,6 +164,7 @@ class App:
                 enable_auto_tool_choice=config.enable_auto_tool_choice,
                 tool_call_parser=config.tool_call_parser,
                 model_id=config.model_id,
+                max_logprobs=config.max_logprobs,
             ),
             self.metrics,
             fetcher,
