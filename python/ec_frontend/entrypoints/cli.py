@@ -22,7 +22,6 @@ from ec_frontend.entrypoints.http.cli_args import (
 )
 from ec_frontend.entrypoints.http.protocol import add_http_args, http_limits, limits_group
 from ec_frontend.entrypoints.http.vllm_flags import ONLY, OnlyValues, add_vllm_flags
-from ec_frontend.entrypoints.launcher import ServeOptions, serve
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -403,6 +402,29 @@ def chat_template(value: str | None) -> str | None:
         raise ValueError(f"--chat-template: cannot read {value}: {exc.strerror}") from None
 
 
+def preflight_problem(args: argparse.Namespace) -> str | None:
+    """What would stop the server after the model loaded, found before it loads."""
+    from ec_frontend.entrypoints import preflight
+
+    return (
+        preflight.transfer_problem(
+            args.ec_transfer_config,
+            args.kv_transfer_config,
+            args.transfer_secret,
+            args.transfer_secret_file,
+            args.transfer_peers,
+        )
+        or (
+            None
+            if args.mock_engine
+            else preflight.checkpoint_problem(
+                args.model_tag or args.model, args.load_format, args.revision
+            )
+        )
+        or preflight.port_problem(args.host, args.port)
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     keys = args.api_key or ()
     api_key = (
@@ -425,12 +447,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         problem = problem or f"ec-frontend serve: {exc}"
     frontend = FrontendSettings.from_args(args)
-    problem = problem or frontend.problem()
+    problem = problem or frontend.problem() or preflight_problem(args)
     if problem is not None:
         if not problem.startswith("ec-frontend"):
             problem = f"ec-frontend serve: {problem}"
         print(problem, file=sys.stderr)
         return 2
+    from ec_frontend.entrypoints.launcher import ServeOptions, serve
+
     options = ServeOptions(
         model=args.model_tag or args.model,
         revision=args.revision,
@@ -493,7 +517,9 @@ COMMANDS["serve"] = (add_serve_args, run_serve)
 COMMANDS["proxy"] = (add_proxy_args, run_proxy)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; ``only``: define that subcommand alone (the others' imports
+    are skipped, so that a command starts, or refuses a flag, sooner)."""
     parser = argparse.ArgumentParser(
         prog="ec-frontend",
         description="OpenAI-compatible serving for vision-language models (E/P/D)",
@@ -501,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _) in COMMANDS.items():
+        if only is not None and only in COMMANDS and name != only:
+            continue
         add_args(sub.add_parser(name, help=(COMMAND_HELP.get(name) or name)))
     return parser
 
@@ -521,7 +549,8 @@ COMMAND_HELP: dict[str, str] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

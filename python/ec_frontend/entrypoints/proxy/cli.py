@@ -1,4 +1,7 @@
-"""``ec-frontend proxy`` on the command line: flags, then uvicorn until SIGTERM."""
+"""``ec-frontend proxy`` on the command line: flags, then uvicorn until SIGTERM.
+
+The app (FastAPI) is imported when the proxy's parser is built or it runs, not when
+``serve`` borrows :func:`add_transfer_trust_args`."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ from ec_frontend.entrypoints.http.protocol import (
     limits_group,
     uvicorn_http_settings,
 )
-from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
 log = logging.getLogger("ec_frontend.proxy")
 
@@ -45,6 +47,8 @@ def add_transfer_trust_args(p: argparse.ArgumentParser, *, peers: bool = True) -
 
 
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    from ec_frontend.entrypoints.proxy.app import ProxyConfig
+
     p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances")
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
@@ -75,6 +79,8 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
 
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
     strip = lambda urls: tuple(u.rstrip("/") for u in urls)  # noqa: E731
     try:
