@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ec_frontend import logs
 from ec_frontend.entrypoints.http.cli_args import (
     FrontendSettings,
     add_frontend_args,
@@ -551,9 +552,9 @@ COMMAND_HELP: dict[str, str] = {
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logs.configure(getattr(args, "log_level", "info"))
+    logging.getLogger("ec_frontend").info(
+        "ec-frontend %s %s (pid %d)", _version(), args.command, os.getpid()
     )
     _, run = COMMANDS[args.command]
     return run(args)

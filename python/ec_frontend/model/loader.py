@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +45,8 @@ from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.qwen2_text import TextShape
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, family_for
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ModelLoadError",
@@ -387,7 +391,17 @@ def _stream_weights(
         for part, module in parts.items()
     }
     unexpected: dict[str, list[str]] = {part: [] for part in parts}
-    for file in _weight_files(directory):
+    files = _weight_files(directory)
+    total = sum(f.stat().st_size for f in files)
+    start = time.monotonic()
+    done = 0
+    for i, file in enumerate(files, 1):
+        size = file.stat().st_size
+        log.info(
+            "loading weights: shard %d/%d %s (%.2f GiB; %.2f of %.2f GiB read)",
+            i, len(files), file.name, size / 2**30, done / 2**30, total / 2**30,
+        )  # fmt: skip
+        done += size
         with safe_open(str(file), framework="pt", device=_safetensors_device(device)) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 located = family.weight_part(key)
@@ -410,6 +424,10 @@ def _stream_weights(
                 if tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 _set_parameter(parts[part], name, tensor)
+    log.info(
+        "weights read: %d shard(s), %.2f GiB in %.1f s",
+        len(files), total / 2**30, time.monotonic() - start,
+    )  # fmt: skip
     for part, module in parts.items():
         missing = sorted(n for n, p in module.named_parameters() if p.device.type == "meta")
         extra = sorted(unexpected[part])

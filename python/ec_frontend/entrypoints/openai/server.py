@@ -99,6 +99,10 @@ class ServerConfig:
     media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
     #: ``--max-logprobs``.
     max_logprobs: int = MAX_LOGPROBS
+    #: One access line per request; request bodies (``--enable-log-requests``).
+    access_log: bool = True
+    log_requests: bool = False
+    max_log_len: int | None = None
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -143,6 +147,9 @@ class App:
             config.max_in_flight,
             public_metrics=config.public_metrics,
             public_docs=config.public_docs,
+            access_log=config.access_log,
+            log_requests=config.log_requests,
+            max_log_len=config.max_log_len,
         )
         limits = config.limits
         self.limits = Limits(
