@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from ec_frontend.entrypoints.cli import build_parser, vllm_flag_problem
+from ec_frontend.entrypoints.http.vllm_flags import refused_flags
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +102,27 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser().parse_args(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.startswith("ec-frontend ")
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = build_parser("serve")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_docs_name_every_flag_of_serve_help() -> None:
+    """``docs/server.md`` names every option ``serve --help`` shows, and every refused
+    vLLM flag."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    shown = [
+        flag
+        for action in _serve_parser()._actions
+        if action.help != argparse.SUPPRESS
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    ]
+    assert len(shown) > 100
+    missing = [flag for flag in shown if f"`{flag}" not in docs and f"{flag}`" not in docs]
+    assert not missing, missing
+    refused = [flag for flag in refused_flags() if f"`{flag}`" not in docs]
+    assert not refused, refused
