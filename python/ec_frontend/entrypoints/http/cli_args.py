@@ -62,8 +62,9 @@ def _level(text: str) -> str:
     return text.lower()
 
 
-def add_log_args(p: argparse.ArgumentParser) -> None:
-    """Log levels, the access line, the stats line and request bodies."""
+def add_log_args(p: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """Log levels and the access line; with ``server``, the stats line and request
+    bodies too (the proxy has neither)."""
     from ec_frontend.entrypoints.http.vllm_flags import OnlyValues
 
     g = p.add_argument_group("logging")
@@ -101,6 +102,8 @@ def add_log_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="no access lines",
     )
+    if not server:
+        return
     g.add_argument(
         "--disable-log-stats",
         action="store_true",

@@ -200,7 +200,7 @@ class FrontMiddleware:
             await response(scope, receive, _with_request_id(send, rid))
             metrics.requests.inc((endpoint, str(reject.status)))
             if self.state.access_log:
-                _log_access(scope, reject.status, start, rid, reject.code, reject.param)
+                log_access(scope, reject.status, start, rid, reject.code, reject.param)
             return
         if self.state.log_requests:
             receive = _logging_receive(receive, rid, self.state.max_log_len)
@@ -234,11 +234,11 @@ class FrontMiddleware:
                 metrics.in_flight -= 1
             metrics.requests.inc((endpoint, str(status_holder[0])))
             if self.state.access_log:
-                code, param = _error_fields(error_body) if status_holder[0] >= 400 else (None, None)
-                _log_access(scope, status_holder[0], start, rid, code, param)
+                code, param = error_fields(error_body) if status_holder[0] >= 400 else (None, None)
+                log_access(scope, status_holder[0], start, rid, code, param)
 
 
-def _error_fields(body: bytes | bytearray) -> tuple[str | None, str | None]:
+def error_fields(body: bytes | bytearray) -> tuple[str | None, str | None]:
     """``(code, param)`` of an OpenAI-shaped error body (``None`` where absent)."""
     try:
         error = json.loads(body).get("error")
@@ -250,7 +250,7 @@ def _error_fields(body: bytes | bytearray) -> tuple[str | None, str | None]:
     return (None if code is None else str(code)), (None if param is None else str(param))
 
 
-def _log_access(
+def log_access(
     scope: Scope, status: int, start: float, rid: bytes, code: str | None, param: str | None
 ) -> None:
     client = scope.get("client")
