@@ -215,27 +215,15 @@ class FrontendSettings:
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
     """CORS, ``--root-path`` and TLS, as vLLM names them."""
     g = p.add_argument_group("CORS, root path and TLS")
-    g.add_argument(
-        "--allowed-origins",
-        type=json_strings,
-        default=[],
-        metavar="JSON",
-        help="CORS: origins allowed, a JSON list such as '[\"*\"]' (default: no CORS headers)",
-    )
-    g.add_argument(
-        "--allowed-methods",
-        type=json_strings,
-        default=["*"],
-        metavar="JSON",
-        help='CORS: methods allowed (default ["*"])',
-    )
-    g.add_argument(
-        "--allowed-headers",
-        type=json_strings,
-        default=["*"],
-        metavar="JSON",
-        help='CORS: request headers allowed (default ["*"])',
-    )
+    for flag, default, what in (
+        ("--allowed-origins", [], 'origins allowed, a JSON list such as \'["*"]\' (default: no '
+         "CORS headers)"),
+        ("--allowed-methods", ["*"], 'methods allowed (default ["*"])'),
+        ("--allowed-headers", ["*"], 'request headers allowed (default ["*"])'),
+    ):  # fmt: skip
+        g.add_argument(
+            flag, type=json_strings, default=default, metavar="JSON", help=f"CORS: {what}"
+        )
     g.add_argument(
         "--allow-credentials",
         action=argparse.BooleanOptionalAction,
