@@ -454,6 +454,7 @@ def run_serve(args: argparse.Namespace) -> int:
             problem = f"ec-frontend serve: {problem}"
         print(problem, file=sys.stderr)
         return 2
+    first_line("serve")
     from ec_frontend.entrypoints.launcher import ServeOptions, serve
 
     options = ServeOptions(
@@ -534,6 +535,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def first_line(command: str) -> None:
+    """The process's first log line, before the heavy imports."""
+    logging.getLogger("ec_frontend").info(
+        "ec-frontend %s %s (pid %d)", _version(), command, os.getpid()
+    )
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -553,9 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     logs.configure(getattr(args, "log_level", "info"))
-    logging.getLogger("ec_frontend").info(
-        "ec-frontend %s %s (pid %d)", _version(), args.command, os.getpid()
-    )
+    if args.command != "serve":  # serve says it once its flags have passed the checks
+        first_line(args.command)
     _, run = COMMANDS[args.command]
     return run(args)
 
