@@ -31,26 +31,40 @@ sdist_dir="$VENV/sdist/vllm-$VERSION"
 
 # vLLM's examples (its EPD proxy) and tests ship only in its source distribution. `pip
 # download` cannot fetch it (it insists on building the metadata, which needs CUDA), so it
-# is taken from PyPI's simple index (JSON form, PEP 691) and checked against its pinned sha256.
+# is taken from the package index pip itself would use (its --index-url as PIP_INDEX_URL or
+# pip.conf set it, else pip's default), read through pip's own option parsing: the project
+# names no index host, and a mirror works. Its simple page (JSON, PEP 691, or HTML, PEP 503)
+# gives the file's URL; the file is checked against its pinned sha256.
 fetch_sdist() {
     [ -f "$sdist_dir/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py" ] && return 0
     local tmp url
     tmp=$(mktemp -d)
-    url=$("$PY" - "$VERSION" <<'PYEOF'
+    url=$("$VENV/bin/python" - "$VERSION" <<'PYEOF'
 import json
+import re
 import sys
+import urllib.parse
 import urllib.request
 
-req = urllib.request.Request(
-    "https://pypi.org/simple/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-)
+from pip._internal.commands import create_command
+
+options, _ = create_command("download").parse_args([])
+page = options.index_url.rstrip("/") + "/vllm/"
+accept = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
+with urllib.request.urlopen(urllib.request.Request(page, headers={"Accept": accept}), timeout=120) as r:
+    kind, body = r.headers.get("content-type", ""), r.read().decode()
 name = f"vllm-{sys.argv[1]}.tar.gz"
-for f in json.load(urllib.request.urlopen(req, timeout=120))["files"]:
-    if f["filename"] == name:
-        print(f["url"])
+if "json" in kind:
+    links = [f["url"] for f in json.loads(body)["files"]]
+else:
+    links = re.findall(r'href="([^"]+)"', body)
+for link in links:
+    target = urllib.parse.urljoin(page, link.replace("&amp;", "&"))
+    if urllib.parse.urlsplit(target).path.rsplit("/", 1)[-1] == name:
+        print(target.split("#", 1)[0])
         break
 else:
-    sys.exit(f"{name} is not on the index")
+    sys.exit(f"{name} is not on the index {options.index_url}")
 PYEOF
 )
     "$PY" -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" \

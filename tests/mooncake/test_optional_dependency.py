@@ -15,6 +15,8 @@ from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.factory import create_ec_connector, create_kv_connector
 from ec_frontend.connectors.kv_base import KVConnectorRole
 
+from ..helpers.processes import free_port
+
 EC = {"ec_connector": "MooncakeStoreECConnector", "ec_role": "ec_consumer",
       "ec_connector_extra_config": {"master_server_address": "127.0.0.1:1"}}  # fmt: skip
 KV = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}
@@ -55,7 +57,7 @@ def test_serve_without_mooncake_stops_with_the_extra_named(tmp_path: Path) -> No
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--port", "1",
+    cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--port", str(free_port()),
            "--device", "cpu", "--ec-transfer-config", json.dumps(EC)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 2, run.stdout + run.stderr

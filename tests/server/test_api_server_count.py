@@ -326,7 +326,7 @@ def test_a_port_in_use_is_a_startup_error() -> None:
         cli = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve", "--mock-engine"]
         args = [*cli, "--port", str(port), "--api-server-count", "2"]
         done = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert f"cannot bind 127.0.0.1:{port}" in done.stderr
 
 

@@ -35,6 +35,10 @@ class EngineArgs(Protocol):
     @property
     def model(self) -> str | None: ...
     @property
+    def revision(self) -> str | None: ...
+    @property
+    def seed(self) -> int: ...
+    @property
     def max_model_len(self) -> int | None: ...
     @property
     def max_num_seqs(self) -> int | None: ...
@@ -197,7 +201,7 @@ def engine_config(opts: EngineArgs) -> tuple[EngineConfig, str]:
         path = ensure_builtin_checkpoint()
         model_id = BUILTIN_MODEL_ID
     else:
-        path = resolve_model_path(opts.model)
+        path = resolve_model_path(opts.model, revision=opts.revision)
         name = path.resolve().name
         if not Path(opts.model).exists():
             # A Hugging Face id names the model (as vLLM does), not its cache snapshot.
@@ -218,6 +222,7 @@ def engine_config(opts: EngineArgs) -> tuple[EngineConfig, str]:
         model_id=model_id,
         device=opts.device,
         dtype=_dtype(opts),
+        seed=opts.seed,
         scheduler=sched,
         cache=cache_config(opts, sched.encoder_budget),
         ec_transfer=ec,

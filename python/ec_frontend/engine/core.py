@@ -82,8 +82,9 @@ class EngineCore:
         block_size = config.cache.block_size
         kv_cache: KVCacheManager | None = None
         num_blocks: int | None = None
-        if not self.encoder_only:
-            num_blocks = plan_kv_cache(model, config).num_blocks
+        self.kv_plan = None if self.encoder_only else plan_kv_cache(model, config)
+        if self.kv_plan is not None:
+            num_blocks = self.kv_plan.num_blocks
             kv_cache = KVCacheManager(
                 num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
             )
@@ -159,8 +160,12 @@ class EngineCore:
     @staticmethod
     def load_model(config: EngineConfig, path: Path) -> VisionLanguageModel:
         """The model of the checkpoint at ``path`` as ``config`` asks for it."""
+        import torch
+
         from ec_frontend.model.loader import load_model
 
+        # --seed: unseeded sampling and dummy weights draw from this state.
+        torch.manual_seed(config.seed)
         return load_model(
             path,
             device=config.device,

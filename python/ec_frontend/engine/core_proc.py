@@ -44,6 +44,7 @@ import msgspec
 import zmq
 
 from ec_frontend.engine.groups import RequestGroups
+from ec_frontend.engine.summary import engine_summary
 from ec_frontend.engine.wire import (
     ABORT,
     ABORT_GROUPS,
@@ -286,9 +287,9 @@ def main() -> None:
         for entry in spec.sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
-        logging.basicConfig(
-            level=spec.log_level, format="%(levelname)s %(name)s (engine): %(message)s"
-        )
+        from ec_frontend.logs import configure
+
+        configure(spec.log_level)
         served = _Served.build(spec)
         server = EngineServer(served, directory, num_clients, parent)
     except BaseException as exc:
@@ -408,6 +409,7 @@ class EngineServer:
             "pid": os.getpid(),
             "eos_token_id": _plain(self.core.eos_token_id),
             "stats": _stats_values(self.core.stats()),
+            "summary": engine_summary(self.core),
         }
 
     def close(self) -> None:

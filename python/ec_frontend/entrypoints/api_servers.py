@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -203,8 +204,10 @@ def run_api_server(spec: ServerSpec, sock: socket.socket) -> None:
     )
     share_values(spec.metrics_dir, f"api-server-{spec.index}")
     index = spec.index
+    # One stats line for the group: the engine's counters are the same for all.
+    opts = dataclasses.replace(spec.opts, log_stats=spec.opts.log_stats and index == 0)
     code = serve(
-        spec.opts,
+        opts,
         engine_factory=spec.engine.connect(index),
         sockets=[sock],
         wrap_app=lambda app: ServerHeader(app, index),

@@ -13,9 +13,18 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ec_frontend import logs
+from ec_frontend.entrypoints.http.cli_args import (
+    FrontendSettings,
+    add_frontend_args,
+    add_log_args,
+    human_int,
+    json_object,
+)
 from ec_frontend.entrypoints.http.protocol import add_http_args, http_limits, limits_group
-from ec_frontend.entrypoints.launcher import ServeOptions, serve
+from ec_frontend.entrypoints.http.vllm_flags import ONLY, OnlyValues, add_vllm_flags
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
+from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ec_frontend.entrypoints.proxy.cli import add_proxy_args, add_transfer_trust_args, run_proxy
 from ec_frontend.media.options import add_media_args, media_config
@@ -30,15 +39,42 @@ COMMANDS: dict[
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vLLM's `vllm serve MODEL` (the same as --model)",
+    )
+    p.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory, or a Hugging Face id (org/name) found in the local "
-        "Hugging Face cache (default: the built-in tiny Qwen2-VL)",
+        help="checkpoint directory, or a Hugging Face id (org/name): from the local Hugging "
+        "Face cache, downloaded into it when missing unless HF_HUB_OFFLINE is set "
+        "(default: the built-in tiny Qwen2-VL)",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hugging Face id: the branch, tag or commit to use (default: main)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="accepted when it names the checkpoint itself (the tokenizer is always the "
+        "checkpoint's own)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the engine's random state at startup: requests without a seed sample "
+        "the same after every restart, and dummy weights are the same (default 0)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1 and /inference routes "
         "(env: EC_FRONTEND_API_KEY or VLLM_API_KEY)",
@@ -49,11 +85,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name(s) clients use; the first is reported (default: the model id)",
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+    p.add_argument(
+        "--max-model-len",
+        type=human_int,
+        default=None,
+        help="context length in tokens (1k = 1000, 1K = 1024; auto or -1: the model's)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests batched per step")
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=human_int,
         default=None,
         help="tokens computed per step; a longer prompt is prefilled in chunks (default 2048)",
     )
@@ -66,7 +107,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-memory",
-        type=int,
+        type=human_int,
         default=None,
         help="KV cache bytes, in place of --gpu-memory-utilization (default on the CPU: "
         "256 MiB, or one --max-model-len sequence when that needs more)",
@@ -83,7 +124,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enforce-eager",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="run every step eagerly: no CUDA graphs of decode steps (captured by default "
         "on CUDA with the triton attention backend)",
     )
@@ -92,26 +134,40 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV of full blocks whose prefix (tokens, images, cache_salt) an earlier "
-        "request computed (default on; --no-enable-prefix-caching turns it off)",
+        "request computed (default on; --no-enable-prefix-caching or "
+        "--disable-prefix-caching turns it off)",
+    )
+    p.add_argument(
+        "--disable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help=argparse.SUPPRESS,
     )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)")
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+        action=OnlyValues,
+        allowed=("auto", "float32", "float16", "bfloat16", "half", "float"),
+        reason="the model runs in float32, float16 or bfloat16",
+        help="model dtype (auto: bfloat16 on CUDA, float32 on CPU; half = float16, "
+        "float = float32)",
     )
     p.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "safetensors", "dummy"],
+        action=OnlyValues,
+        allowed=ONLY["--load-format"][0],
+        reason=ONLY["--load-format"][1],
         help="weights: the checkpoint's safetensors (auto), or random weights for its "
         "config.json (dummy: benchmarks without weights)",
     )
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "sdpa", "gather", "triton"],
+        action=OnlyValues,
+        allowed=("auto", "sdpa", "gather", "triton"),
+        reason="the attention paths are this project's own (auto picks one)",
         help="attention over the paged KV cache: auto is triton on CUDA when Triton is "
         "installed (decodes read the cache in place; decode steps run as CUDA graphs), "
         "sdpa elsewhere; gather is the reference path",
@@ -142,11 +198,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=64 * 1024 * 1024,
         help="largest accepted request body; larger ones get 413 (default 64 MiB)",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-    )
+    add_log_args(p)
     p.add_argument(
         "--mock-engine",
         action="store_true",
@@ -165,7 +217,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="with --mock-engine: delay before each generated token",
     )
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -190,8 +241,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(needs --tool-call-parser)",
     )
     p.add_argument(
+        "--disable-auto-tool-choice",
+        dest="enable_auto_tool_choice",
+        action="store_false",
+        help=argparse.SUPPRESS,
+    )
+    p.add_argument(
         "--tool-call-parser",
-        choices=TOOL_PARSERS,
+        action=OnlyValues,
+        allowed=TOOL_PARSERS,
+        reason="the built-in tool call parsers are these",
         default=None,
         help="how tool calls are written by the model: hermes (the Qwen family's "
         "<tool_call> format)",
@@ -203,9 +262,31 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="API server processes sharing the port and one engine; /metrics on any of "
         "them reports the whole group (default 1: this process serves)",
     )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help=f"most logprobs / top_logprobs a request may ask for (at most {MAX_LOGPROBS}, "
+        f"the default)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, in place of the checkpoint's",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="vLLM's per-modality item limits, e.g. '{\"image\": 4}': the image count "
+        "sets --max-media-items",
+    )
+    add_frontend_args(p)
     add_limit_args(p)
     add_http_args(p)
     add_media_args(p)
+    add_vllm_flags(p)
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -294,11 +375,83 @@ def check_flags(args: argparse.Namespace, command: str) -> str | None:
     return None
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    api_key = (
-        args.api_key or os.environ.get("EC_FRONTEND_API_KEY") or os.environ.get("VLLM_API_KEY")
+_DTYPES = {"half": "float16", "float": "float32"}
+
+
+def vllm_flag_problem(args: argparse.Namespace) -> str | None:
+    """vLLM's flags whose value this server cannot honour, as an error line."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        return f"give the model once: MODEL {args.model_tag!r} and --model {args.model!r} differ"
+    if args.api_key is not None and len(args.api_key) > 1:
+        return "--api-key: not supported: one API key per server"
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        return f"--max-logprobs {args.max_logprobs}: not supported: 0 to {MAX_LOGPROBS}"
+    model = args.model_tag or args.model
+    if args.tokenizer is not None and args.tokenizer != model:
+        return (
+            f"--tokenizer {args.tokenizer}: not supported: the tokenizer is the checkpoint's "
+            "own (put it in the checkpoint directory)"
+        )
+    limit = args.limit_mm_per_prompt
+    if limit is not None:
+        other = sorted(set(limit) - {"image"})
+        if other:
+            return (
+                f"--limit-mm-per-prompt: not supported: {other[0]!r} (only image items are "
+                "limited per prompt)"
+            )
+        count = limit.get("image", args.max_media_items)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            return '--limit-mm-per-prompt: "image" must be a count >= 0'
+        args.max_media_items = count
+    return None
+
+
+def chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the contents of the file it names, else the text itself when
+    it reads as a template; ``ValueError`` for anything else."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        if "{" in value:
+            return value
+        raise ValueError(f"--chat-template: cannot read {value}: {exc.strerror}") from None
+
+
+def preflight_problem(args: argparse.Namespace) -> str | None:
+    """What would stop the server after the model loaded, found before it loads."""
+    from ec_frontend.entrypoints import preflight
+
+    return (
+        preflight.transfer_problem(
+            args.ec_transfer_config,
+            args.kv_transfer_config,
+            args.transfer_secret,
+            args.transfer_secret_file,
+            args.transfer_peers,
+        )
+        or (
+            None
+            if args.mock_engine
+            else preflight.checkpoint_problem(
+                args.model_tag or args.model, args.load_format, args.revision
+            )
+        )
+        or preflight.port_problem(args.host, args.port)
     )
-    problem = check_flags(args, "serve")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    keys = args.api_key or ()
+    api_key = (
+        (keys[0] if keys else None)
+        or os.environ.get("EC_FRONTEND_API_KEY")
+        or os.environ.get("VLLM_API_KEY")
+    )
+    problem = vllm_flag_problem(args) or check_flags(args, "serve")
     if problem is None:
         from PIL import Image
 
@@ -306,15 +459,32 @@ def run_serve(args: argparse.Namespace) -> int:
         unknown = sorted(set(resource_limits(args).image_formats) - set(Image.OPEN))
         if unknown:
             problem = f"ec-frontend serve: --image-formats: unknown decoders {unknown}"
+    template = None
     try:
         media = media_config(args)
+        template = chat_template(args.chat_template)
     except ValueError as exc:
         problem = problem or f"ec-frontend serve: {exc}"
+    frontend = FrontendSettings.from_args(args)
+    problem = problem or frontend.problem() or preflight_problem(args)
     if problem is not None:
+        if not problem.startswith("ec-frontend"):
+            problem = f"ec-frontend serve: {problem}"
         print(problem, file=sys.stderr)
         return 2
+    first_line("serve")
+    from ec_frontend.entrypoints.launcher import ServeOptions, serve
+
     options = ServeOptions(
-        model=args.model,
+        model=args.model_tag or args.model,
+        revision=args.revision,
+        seed=args.seed,
+        max_logprobs=args.max_logprobs,
+        chat_template=template,
+        frontend=frontend,
+        log_stats=not args.disable_log_stats,
+        log_requests=args.log_requests,
+        max_log_len=args.max_log_len,
         host=args.host,
         port=args.port,
         api_key=api_key or None,
@@ -329,7 +499,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
-        dtype=args.dtype,
+        dtype=_DTYPES.get(args.dtype, args.dtype),
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         cpu_threads=args.cpu_threads,
@@ -367,15 +537,36 @@ COMMANDS["serve"] = (add_serve_args, run_serve)
 COMMANDS["proxy"] = (add_proxy_args, run_proxy)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; ``only``: define that subcommand alone (the others' imports
+    are skipped, so that a command starts, or refuses a flag, sooner)."""
     parser = argparse.ArgumentParser(
         prog="ec-frontend",
         description="OpenAI-compatible serving for vision-language models (E/P/D)",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _) in COMMANDS.items():
+        if only is not None and only in COMMANDS and name != only:
+            continue
         add_args(sub.add_parser(name, help=(COMMAND_HELP.get(name) or name)))
     return parser
+
+
+def first_line(command: str) -> None:
+    """The process's first log line, before the heavy imports."""
+    logging.getLogger("ec_frontend").info(
+        "ec-frontend %s %s (pid %d)", _version(), command, os.getpid()
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ec-frontend")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 COMMAND_HELP: dict[str, str] = {
@@ -385,11 +576,11 @@ COMMAND_HELP: dict[str, str] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    logs.configure(getattr(args, "log_level", "info"))
+    if args.command != "serve":  # serve says it once its flags have passed the checks
+        first_line(args.command)
     _, run = COMMANDS[args.command]
     return run(args)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -24,9 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from ec_frontend import logs
+from ec_frontend.config import TRANSFER_SECRET_ENV
 from ec_frontend.engine.core_proc import EngineProcess
+from ec_frontend.engine.summary import engine_summary, summary_lines
+from ec_frontend.entrypoints.http.cli_args import FrontendSettings
 from ec_frontend.entrypoints.http.protocol import HttpLimits, connection_cap, uvicorn_http_settings
+from ec_frontend.entrypoints.http.stats_log import StatsLog
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
+from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.server import App, ServerConfig, build_app
 from ec_frontend.errors import StartupError
 
@@ -42,6 +49,20 @@ class ServeOptions:
     """Everything ``ec-frontend serve`` was asked for."""
 
     model: str | None = None
+    #: With a Hugging Face id: the branch, tag or commit (``--revision``).
+    revision: str | None = None
+    #: Seeds the engine's random state at startup (``--seed``).
+    seed: int = 0
+    max_logprobs: int = MAX_LOGPROBS
+    #: A Jinja chat template in place of the checkpoint's (``--chat-template``).
+    chat_template: str | None = None
+    #: CORS, root path, TLS and uvicorn's log level.
+    frontend: FrontendSettings = field(default_factory=FrontendSettings)
+    #: The periodic stats line (``--disable-log-stats`` turns it off).
+    log_stats: bool = True
+    #: Log request bodies (``--enable-log-requests``), up to ``max_log_len`` characters.
+    log_requests: bool = False
+    max_log_len: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -73,7 +94,7 @@ class ServeOptions:
     #: ``multiprocess``: the engine core in its own process (``engine/core_proc.py``);
     #: ``inprocess``: in a thread of the server process.
     engine_mode: str = "multiprocess"
-    access_log: bool = False
+    access_log: bool = True
     drain_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     limits: ResourceLimits = field(default_factory=ResourceLimits)
@@ -135,10 +156,19 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        #: The periodic stats line (``None``: ``--disable-log-stats``).
+        self.stats_log: StatsLog | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        ticker = None
+        if self.stats_log is not None:
+            ticker = asyncio.ensure_future(self.stats_log.run())
+        try:
+            await super().serve(sockets)
+        finally:
+            if ticker is not None:
+                ticker.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.core.state.draining or self._loop is None:
@@ -216,6 +246,9 @@ def serve(
             spawned.kill()
     names = opts.served_model_names or ((opts.model or model_id),)
     processor = getattr(engine, "processor", None)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if opts.chat_template is not None and tokenizer is not None:
+        tokenizer.chat_template = opts.chat_template
     seqs = engine_max_num_seqs(engine, opts)
     engine_requests = engine_request_limit(opts, seqs)
     limits = replace(opts.limits, max_engine_requests=engine_requests)
@@ -237,27 +270,38 @@ def serve(
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         tool_call_parser=opts.tool_call_parser,
         media=opts.media,
+        max_logprobs=opts.max_logprobs,
+        access_log=opts.access_log,
+        log_requests=opts.log_requests,
+        max_log_len=opts.max_log_len,
     )
     app, core = build_app(engine, config)
+    app = opts.frontend.wrap(app)
     if wrap_app is not None:
         app = wrap_app(app)
+    uv_level = opts.frontend.uvicorn_log_level or opts.log_level
     uv_config = uvicorn.Config(
         app,
         host=opts.host,
         port=opts.port,
-        log_level=opts.log_level,
-        access_log=opts.access_log,
+        log_level=uv_level,
+        log_config=logs.uvicorn_log_config(uv_level),
+        access_log=False,
+        **opts.frontend.uvicorn_kwargs(),
         loop=_pick("uvloop", "asyncio"),
         **uvicorn_http_settings(http, core.metrics.refused),
         lifespan="off",
         server_header=False,
     )
     server = DrainingServer(uv_config, core, opts.drain_timeout_s)
+    if opts.log_stats:
+        server.stats_log = StatsLog(engine.stats, logs.stats_interval())
     died: list[str] = []
     watch = getattr(engine, "add_death_callback", None)
     if watch is not None:
         watch(lambda reason: _engine_died(server, died, reason))
-    log.info("serving %s on http://%s:%d", ", ".join(names), opts.host, opts.port)
+    for line in startup_summary(engine, opts, names):
+        log.info("%s", line)
     try:
         server.run(sockets=sockets)
     finally:
@@ -316,6 +360,25 @@ def _engine_died(server: uvicorn.Server, died: list[str], reason: str) -> None:
     log.error("%s: the server exits", reason)
     time.sleep(_DEATH_GRACE_S)
     server.should_exit = True
+
+
+def startup_summary(engine: Any, opts: ServeOptions, names: tuple[str, ...]) -> list[str]:
+    """The lines that say what this server ended up with (see ``docs/server.md``)."""
+    info = getattr(engine, "info", None)
+    summary = info.get("summary") if isinstance(info, dict) else None
+    if summary is None and getattr(engine, "core", None) is not None:
+        summary = engine_summary(engine.core)
+    lines = summary_lines(summary) if summary else ["engine: mock (no model)"]
+    secret = bool(
+        opts.transfer_secret or opts.transfer_secret_file or os.environ.get(TRANSFER_SECRET_ENV)
+    )
+    on = {True: "on", False: "off"}
+    lines.append(
+        f"serving {', '.join(names)} on {opts.frontend.scheme}://{opts.host}:{opts.port}: "
+        f"API key {on[opts.api_key is not None]}, transfer secret {on[secret]}, "
+        f"access log {on[opts.access_log]}, stats log {on[opts.log_stats]}"
+    )
+    return lines
 
 
 def _pick(preferred: str, fallback: str) -> str:

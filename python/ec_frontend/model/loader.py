@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +45,8 @@ from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.qwen2_text import TextShape
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, family_for
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ModelLoadError",
@@ -99,7 +103,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return resolved
 
 
-def resolve_model_path(model: str | Path) -> Path:
+def resolve_model_path(model: str | Path, revision: str | None = None) -> Path:
     """A local checkpoint directory for ``--model``.
 
     An existing path is used as it is. Anything else that reads as a Hugging Face
@@ -107,10 +111,15 @@ def resolve_model_path(model: str | Path) -> Path:
     (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
     when it is not there and the hub is not offline (``HF_HUB_OFFLINE`` unset),
     the checkpoint's files (:data:`HUB_FILE_PATTERNS`) are downloaded into that
-    cache first. Raises :class:`ModelLoadError`.
+    cache first. ``revision`` (a branch, tag or commit) picks the hub snapshot;
+    a directory has none. Raises :class:`ModelLoadError`.
     """
     path = Path(model)
     if path.exists():
+        if revision is not None:
+            raise ModelLoadError(
+                f"--revision {revision!r} applies to a Hugging Face id, not a directory"
+            )
         return path
     name = str(model)
     parts = name.split("/")
@@ -125,7 +134,13 @@ def resolve_model_path(model: str | Path) -> Path:
     cache = _hub_cache_dir()
     try:
         return Path(
-            snapshot_download(name, allow_patterns=patterns, cache_dir=cache, local_files_only=True)
+            snapshot_download(
+                name,
+                revision=revision,
+                allow_patterns=patterns,
+                cache_dir=cache,
+                local_files_only=True,
+            )
         )
     except LocalEntryNotFoundError:
         pass
@@ -138,7 +153,9 @@ def resolve_model_path(model: str | Path) -> Path:
             f"{name}`, or unset HF_HUB_OFFLINE)"
         )
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns, cache_dir=cache))
+        return Path(
+            snapshot_download(name, revision=revision, allow_patterns=patterns, cache_dir=cache)
+        )
     except Exception as exc:
         raise ModelLoadError(
             f"--model {name!r}: download from the Hugging Face hub failed: {exc}"
@@ -375,7 +392,17 @@ def _stream_weights(
         for part, module in parts.items()
     }
     unexpected: dict[str, list[str]] = {part: [] for part in parts}
-    for file in _weight_files(directory):
+    files = _weight_files(directory)
+    total = sum(f.stat().st_size for f in files)
+    start = time.monotonic()
+    done = 0
+    for i, file in enumerate(files, 1):
+        size = file.stat().st_size
+        log.info(
+            "loading weights: shard %d/%d %s (%.2f GiB; %.2f of %.2f GiB read)",
+            i, len(files), file.name, size / 2**30, done / 2**30, total / 2**30,
+        )  # fmt: skip
+        done += size
         with safe_open(str(file), framework="pt", device=_safetensors_device(device)) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 located = family.weight_part(key)
@@ -398,6 +425,10 @@ def _stream_weights(
                 if tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 _set_parameter(parts[part], name, tensor)
+    log.info(
+        "weights read: %d shard(s), %.2f GiB in %.1f s",
+        len(files), total / 2**30, time.monotonic() - start,
+    )  # fmt: skip
     for part, module in parts.items():
         missing = sorted(n for n, p in module.named_parameters() if p.device.type == "meta")
         extra = sorted(unexpected[part])

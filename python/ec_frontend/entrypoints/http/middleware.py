@@ -11,7 +11,11 @@ For each HTTP request it
   ``/redoc``, ``/openapi.json``); an unknown path needs the key too, so that the
   routes a server has cannot be listed without it;
 * counts ``ec_frontend_requests_total{endpoint,status}`` and the generation
-  requests in flight, which the drain waits on.
+  requests in flight, which the drain waits on;
+* logs one access line per request (logger ``ec_frontend.access``): client,
+  method, path, status, time, request id and, for a 4xx or 5xx, the error's
+  ``code`` and ``param``; with ``log_requests``, the request body too (up to
+  ``max_log_len`` characters).
 
 It is written against raw ASGI, not ``BaseHTTPMiddleware``, to keep the
 per-request cost to a few dictionary operations.
@@ -20,7 +24,10 @@ per-request cost to a few dictionary operations.
 from __future__ import annotations
 
 import hmac
+import json
+import logging
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
@@ -61,6 +68,9 @@ ALWAYS_PUBLIC: frozenset[str] = frozenset({"/health", "/ping"})
 DOCS_PATHS: frozenset[str] = frozenset(
     {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 )
+access_log = logging.getLogger("ec_frontend.access")
+#: Bytes of an error response read for its code and param.
+_ERROR_PEEK = 8192
 #: A client's X-Request-Id is used when it is 1 to 256 visible ASCII characters.
 _VALID_ID = re.compile(rb"[\x21-\x7e]{1,256}")
 _VALID_ID_STR = re.compile(r"[\x21-\x7e]{1,256}")
@@ -85,8 +95,14 @@ class FrontState:
         *,
         public_metrics: bool = False,
         public_docs: bool = False,
+        access_log: bool = True,
+        log_requests: bool = False,
+        max_log_len: int | None = None,
     ) -> None:
         self.metrics = metrics
+        self.access_log = access_log
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.api_key = api_key.encode() if api_key else None
         self.max_in_flight = max_in_flight
         self.draining = False
@@ -177,20 +193,28 @@ class FrontMiddleware:
             rid = uuid.uuid4().hex.encode()
         scope["ec_request_id"] = rid.decode()
 
+        start = time.perf_counter()
         reject = self._admission(scope, path)
         if reject is not None:
             response = self.on_error(reject)
             await response(scope, receive, _with_request_id(send, rid))
             metrics.requests.inc((endpoint, str(reject.status)))
+            if self.state.access_log:
+                log_access(scope, reject.status, start, rid, reject.code, reject.param)
             return
+        if self.state.log_requests:
+            receive = _logging_receive(receive, rid, self.state.max_log_len)
 
         generation = path in GENERATION_ENDPOINTS and scope["method"] == "POST"
         status_holder = [500]
+        error_body = bytearray()
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status_holder[0] = message["status"]
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+            elif status_holder[0] >= 400 and len(error_body) < _ERROR_PEEK:
+                error_body.extend(message.get("body", b"")[:_ERROR_PEEK])
             await send(message)
 
         if generation:
@@ -209,3 +233,57 @@ class FrontMiddleware:
             if generation:
                 metrics.in_flight -= 1
             metrics.requests.inc((endpoint, str(status_holder[0])))
+            if self.state.access_log:
+                code, param = error_fields(error_body) if status_holder[0] >= 400 else (None, None)
+                log_access(scope, status_holder[0], start, rid, code, param)
+
+
+def error_fields(body: bytes | bytearray) -> tuple[str | None, str | None]:
+    """``(code, param)`` of an OpenAI-shaped error body (``None`` where absent)."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None, None
+    if not isinstance(error, dict):
+        return None, None
+    code, param = error.get("code"), error.get("param")
+    return (None if code is None else str(code)), (None if param is None else str(param))
+
+
+def log_access(
+    scope: Scope, status: int, start: float, rid: bytes, code: str | None, param: str | None
+) -> None:
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    extra = ""
+    if status >= 400:
+        extra = f" code={code or '-'} param={param or '-'}"
+    access_log.info(
+        '%s "%s %s" %d %.1f ms rid=%s%s',
+        who,
+        scope["method"],
+        scope["path"],
+        status,
+        (time.perf_counter() - start) * 1000,
+        rid.decode(),
+        extra,
+    )
+
+
+def _logging_receive(receive: Receive, rid: bytes, limit: int | None) -> Receive:
+    """``receive`` that logs the request body once it is read (``--enable-log-requests``)."""
+    body = bytearray()
+
+    async def wrapped() -> Message:
+        message = await receive()
+        if message["type"] == "http.request":
+            if limit is None or len(body) < limit:
+                body.extend(message.get("body", b""))
+            if not message.get("more_body", False):
+                text = body.decode(errors="replace")
+                if limit is not None:
+                    text = text[:limit]
+                access_log.info("request rid=%s body: %s", rid.decode(), text)
+        return message
+
+    return wrapped

@@ -16,6 +16,10 @@ from ec_frontend.entrypoints.http.errors import APIError
 
 _FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _NULLABLE = NULLABLE | {"extra_args"}
+#: The most ``logprobs`` / ``top_logprobs`` a request may ask for: the request parser's
+#: bound (``MAX_LOGPROBS`` in ``rust/ec-core/src/sampling.rs``), vLLM's default
+#: ``--max-logprobs``; ``--max-logprobs`` may lower it.
+MAX_LOGPROBS = 20
 #: vLLM's default ``VLLM_MAX_NUM_BAD_WORDS``: token sequences after tokenization.
 MAX_BAD_WORD_SEQUENCES = 128
 
@@ -67,6 +71,7 @@ def build_sampling_params(
     choice: int = 0,
     vocab_size: int | None = None,
     bad_words: list[list[int]] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> SamplingParams:
     """Params for choice ``choice`` of a request; each choice is its own engine request.
 
@@ -74,9 +79,18 @@ def build_sampling_params(
     ``i`` uses ``seed + i``: reproducible, and the choices still differ (``-1`` is
     no seed). With ``vocab_size``, token ids must lie in the vocabulary.
     ``bad_words`` are the tokenized ``sampling["bad_words"]``.
+    More than ``max_logprobs`` logprobs (``--max-logprobs``) is refused.
     Invalid values raise a 400 :class:`APIError` naming the parameter.
     """
     values = dict(sampling)
+    wanted = values.get("logprobs")
+    if isinstance(wanted, int) and wanted > max_logprobs:
+        raise APIError(
+            400,
+            f"at most {max_logprobs} logprobs may be requested (--max-logprobs), got {wanted}",
+            param="logprobs",
+            code="invalid_value",
+        )
     values["n"] = 1
     seed = values.get("seed")
     if choice and seed is not None and seed != NO_SEED:

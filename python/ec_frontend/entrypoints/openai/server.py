@@ -52,6 +52,7 @@ from ec_frontend.entrypoints.openai.generate_api import generate_body, generate_
 from ec_frontend.entrypoints.openai.jobs import Choice, Job, usage
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.responses_api import response_body, response_stream
+from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
 from ec_frontend.media import FetchMetrics, MediaFetchConfig, MediaFetcher
 from ec_frontend.metrics import ServerMetrics, render
@@ -96,6 +97,12 @@ class ServerConfig:
     tool_call_parser: str | None = None
     #: Media by URL (``--allowed-media-domains`` ...); ``None``: URL items are refused.
     media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
+    #: ``--max-logprobs``.
+    max_logprobs: int = MAX_LOGPROBS
+    #: One access line per request; request bodies (``--enable-log-requests``).
+    access_log: bool = True
+    log_requests: bool = False
+    max_log_len: int | None = None
 
 
 def _status_of(exc: BaseException) -> BaseException:
@@ -140,6 +147,9 @@ class App:
             config.max_in_flight,
             public_metrics=config.public_metrics,
             public_docs=config.public_docs,
+            access_log=config.access_log,
+            log_requests=config.log_requests,
+            max_log_len=config.max_log_len,
         )
         limits = config.limits
         self.limits = Limits(
@@ -161,6 +171,7 @@ class App:
                 enable_auto_tool_choice=config.enable_auto_tool_choice,
                 tool_call_parser=config.tool_call_parser,
                 model_id=config.model_id,
+                max_logprobs=config.max_logprobs,
             ),
             self.metrics,
             fetcher,

@@ -39,7 +39,11 @@ from ec_frontend.entrypoints.openai.limits import (
     text_too_long,
     too_busy,
 )
-from ec_frontend.entrypoints.openai.sampling import bad_words_token_ids, build_sampling_params
+from ec_frontend.entrypoints.openai.sampling import (
+    MAX_LOGPROBS,
+    bad_words_token_ids,
+    build_sampling_params,
+)
 from ec_frontend.entrypoints.openai.structured import StructuredCompiler
 from ec_frontend.media import MediaError, MediaFetcher, resolve_items
 from ec_frontend.metrics import ServerMetrics
@@ -69,6 +73,8 @@ class ServingConfig:
     tool_call_parser: str | None = None
     #: Enters the content key of a fetched media item (as the parser's ``model_id``).
     model_id: str = ""
+    #: ``--max-logprobs``.
+    max_logprobs: int = MAX_LOGPROBS
 
 
 #: The request field that an input error with this code is about.
@@ -359,7 +365,11 @@ class Serving:
             for p, (inputs, _, text) in enumerate(prompts):
                 for i in range(n):
                     params = build_sampling_params(
-                        sampling, choice=i, vocab_size=self.config.vocab_size, bad_words=bad_words
+                        sampling,
+                        choice=i,
+                        vocab_size=self.config.vocab_size,
+                        bad_words=bad_words,
+                        max_logprobs=self.config.max_logprobs,
                     )
                     params.structured_outputs = grammar
                     rid = self._unique_id(base_id if single else f"{base_id}-{p * n + i}")

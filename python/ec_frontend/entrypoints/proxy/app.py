@@ -42,7 +42,9 @@ One ``X-Request-Id`` (the client's, or a fresh one) travels to every stage
 (each instance makes its own engine ids unique) and comes back. An error from
 an instance is passed back with its status (a client error from an encoder stops
 the request there); an instance that cannot be reached gives 502.
-``/health`` and ``/metrics`` describe the proxy.
+``/health`` answers 503 while a role the proxy routes through has no healthy
+instance, and unknown routes get OpenAI-shaped 404 / 405 (``proxy/front.py``);
+``/metrics`` describes the proxy.
 """
 
 from __future__ import annotations
@@ -62,10 +64,12 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature
 from ec_frontend.entrypoints.http.errors import error_body
+from ec_frontend.entrypoints.proxy.front import RoleHealth, http_error
 from ec_frontend.entrypoints.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("ec_frontend.proxy")
@@ -724,7 +728,7 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        exception_handlers={Exception: _proxy_error},
+        exception_handlers={Exception: _proxy_error, HTTPException: http_error},
     )
 
     def route(path: str, endpoint: str) -> Any:
@@ -736,13 +740,23 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     for path, endpoint in ROUTES.items():
         app.add_api_route(path, route(path, endpoint), methods=["POST"])
 
-    async def health() -> Response:
-        return Response(b'{"status":"ok"}', media_type="application/json")
+    health = RoleHealth(
+        proxy.client,
+        {
+            "decode": config.decode_urls,
+            "prefill": config.prefill_urls,
+            "encode": config.encode_urls,
+        },
+        config.connect_timeout_s,
+    )
 
     async def metrics() -> Response:
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.add_api_route("/health", health, methods=["GET"])
+    async def health_route() -> Response:
+        return await health()
+
+    app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
     return app, proxy

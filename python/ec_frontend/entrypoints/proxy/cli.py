@@ -1,11 +1,16 @@
-"""``ec-frontend proxy`` on the command line: flags, then uvicorn until SIGTERM."""
+"""``ec-frontend proxy`` on the command line: flags, then uvicorn until SIGTERM.
+
+The app (FastAPI) is imported when the proxy's parser is built or it runs, not when
+``serve`` borrows :func:`add_transfer_trust_args`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 from dataclasses import replace
+from typing import Any
 
 from ec_frontend.config import TRANSFER_SECRET_ENV, TransferTrust
 from ec_frontend.entrypoints.http.protocol import (
@@ -15,7 +20,6 @@ from ec_frontend.entrypoints.http.protocol import (
     limits_group,
     uvicorn_http_settings,
 )
-from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
 log = logging.getLogger("ec_frontend.proxy")
 
@@ -44,10 +48,36 @@ def add_transfer_trust_args(p: argparse.ArgumentParser, *, peers: bool = True) -
         )
 
 
+class _CommaUrls(argparse.Action):
+    """vLLM's EPD proxy spelling: one comma-separated list (``none``: no instance)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        urls = [u.strip() for u in str(values).split(",") if u.strip()]
+        setattr(namespace, self.dest, [u for u in urls if u.lower() != "none"])
+
+
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    from ec_frontend.entrypoints.http.cli_args import add_log_args
+    from ec_frontend.entrypoints.proxy.app import ProxyConfig
+
     p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances")
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances (1+)")
+    for role in ("encode", "prefill", "decode"):
+        p.add_argument(
+            f"--{role}-servers-urls",
+            dest=role,
+            action=_CommaUrls,
+            metavar="URL,URL",
+            help=f"vLLM's EPD proxy spelling of --{role}: comma-separated URLs",
+        )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(env: EC_FRONTEND_API_KEY or VLLM_API_KEY)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
@@ -66,15 +96,13 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
          "encoder requests in flight per client request (default %(default)s)"),
     ])  # fmt: skip
     add_http_args(p)
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-    )
+    add_log_args(p, server=False)
 
 
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
 
     strip = lambda urls: tuple(u.rstrip("/") for u in urls)  # noqa: E731
     try:
@@ -95,12 +123,20 @@ def run_proxy(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    from ec_frontend import logs
+    from ec_frontend.entrypoints.proxy import front
+
+    api_key = (
+        args.api_key or os.environ.get("EC_FRONTEND_API_KEY") or os.environ.get("VLLM_API_KEY")
+    )
     app, proxy = build_proxy_app(config)
+    level = args.uvicorn_log_level or args.log_level
     uv = uvicorn.Config(
-        app,
+        front.wrap(app, api_key, args.access_log),
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=level,
+        log_config=logs.uvicorn_log_config(level),
         access_log=False,
         lifespan="off",
         server_header=False,
@@ -111,12 +147,16 @@ def run_proxy(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(uv)
     log.info(
-        "proxy on http://%s:%d: encode %s, prefill %s, decode %s",
+        "proxy on http://%s:%d: encode %s, prefill %s, decode %s; API key %s, transfer "
+        "secret %s, access log %s",
         args.host,
         args.port,
         list(config.encode_urls),
         list(config.prefill_urls),
         list(config.decode_urls),
+        "on" if api_key else "off",
+        "on" if config.transfer_secret else "off",
+        "on" if args.access_log else "off",
     )
     try:
         server.run()
