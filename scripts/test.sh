@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command: lints, Rust tests, Python tests. Extra args go to pytest.
+# The project's test command: lints, Rust tests, Python tests. Extra args go to one plain
+# pytest run (no workers) in place of the default two-phase run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -26,4 +27,13 @@ echo "== pytest"
 bash scripts/setup_vllm.sh
 # tests/mooncake start a real mooncake_master: the CPU build of Mooncake and its Debian libraries.
 bash scripts/setup_mooncake.sh
-python -m pytest "$@"
+if [ $# -gt 0 ]; then
+    python -m pytest "$@"
+else
+    # Two workers (pytest-xdist), a test file kept on one worker so that its module's
+    # shared servers start once; then the `serial` tests (scaling ratios, latency
+    # bounds, real-shape checkpoints of 5-14 GiB), alone on the machine.
+    # EC_TEST_WORKERS sets the worker count.
+    python -m pytest -n "${EC_TEST_WORKERS:-2}" --dist loadfile -m "not serial"
+    python -m pytest -m serial
+fi

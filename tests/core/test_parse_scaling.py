@@ -32,7 +32,7 @@ import ec_frontend as ecf
 import pytest
 
 # About a minute on an idle machine (a few on a busy one): marked slow, still run in CI.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 MAX_RATIO = 2.5
 REPEATS = 5

@@ -35,7 +35,7 @@ from transformers import (
 from ..helpers import processes
 from ..helpers.processes import Proc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # 5-14 GiB resident: alone on the machine
 
 QWEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
              "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,

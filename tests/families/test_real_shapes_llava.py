@@ -40,7 +40,7 @@ from .conftest import (
     save_processor,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # 5-14 GiB resident: alone on the machine
 
 #: ``llava-hf/llava-1.5-7b-hf``'s ``config.json`` as published.
 LLAVA_1_5_7B: dict[str, Any] = {

@@ -40,16 +40,33 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _worker_range() -> tuple[int, int]:
+    """This test process's share of the ports below the kernel's ephemeral range.
+
+    Under pytest-xdist each worker draws from its own slice (``gw0`` the first, and so
+    on), so two workers never hand out the same port in the seconds before a server
+    binds it; a run without workers draws from the whole range."""
+    low, high = 10000, _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return low, high
+    index = int(worker[2:])
+    width = (high - low) // count
+    return low + index * width, low + (index + 1) * width
+
+
 def free_port() -> int:
     """A 127.0.0.1 port that is free now, for a server that binds it seconds later.
 
     It is drawn below the kernel's ephemeral range, so no port-0 listener (a side
-    channel) or outgoing connection is given it meanwhile, and it is never one this
-    process handed out before: a second server given the same port would fail to bind
-    while the first one answered its health checks."""
-    low = _ephemeral_low()
+    channel) or outgoing connection is given it meanwhile, from this worker's own slice
+    of that range (:func:`_worker_range`), and it is never one this process handed out
+    before: a second server given the same port would fail to bind while the first one
+    answered its health checks."""
+    low, high = _worker_range()
     for _ in range(200):
-        port = _PICK.randrange(10000, low) if low > 10100 else 0
+        port = _PICK.randrange(low, high) if high > low + 100 else 0
         if port in _HANDED_OUT:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -140,6 +140,7 @@ def _p99(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
+@pytest.mark.serial
 def test_a_slow_origin_does_not_hold_the_server(server: ServerProcess, public: Origin) -> None:
     """Rounds of text requests timed alone, then timed while eight requests whose image
     drips one byte per second are in flight (interleaved, so both see the same load

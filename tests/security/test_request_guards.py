@@ -163,6 +163,7 @@ def detokenize_raw(server: Proc, body: bytes) -> httpx.Response:
     return httpx.post(server.url + "/detokenize", content=body, headers=headers, timeout=120)
 
 
+@pytest.mark.serial
 def test_detokenize_of_10m_ids_leaves_health_responsive(server: Proc) -> None:
     """10M ids (20 MB): refused by the documented cap without being parsed, while
     ``/health`` keeps answering within 0.2 s."""
@@ -176,6 +177,7 @@ def test_detokenize_of_10m_ids_leaves_health_responsive(server: Proc) -> None:
     assert worst < 0.2, worst
 
 
+@pytest.mark.serial
 def test_detokenize_at_the_cap_runs_off_the_loop(server: Proc) -> None:
     """Eight requests of the most ids allowed (65,536 each) are decoded on the
     processing pool while ``/health`` keeps answering within 0.2 s."""
@@ -203,6 +205,7 @@ def test_detokenize_at_the_cap_runs_off_the_loop(server: Proc) -> None:
     assert f"{cap + 1} token ids" in r.json()["error"]["message"]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("path", ["/tokenize", "/inference/v1/abort_requests"])
 def test_millions_of_json_values_are_refused_unparsed(server: Proc, path: str) -> None:
     """20M small values (40 MB) in a field the route ignores: refused before the JSON

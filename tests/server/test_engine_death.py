@@ -139,10 +139,24 @@ def test_killed_server_takes_its_engine_along(builtin_model_dir: Path) -> None:
         server.stop()
 
 
-def _engine_interpreters() -> set[int]:
-    """Every engine process on the host (found by its command line)."""
-    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
-    return {p for p in pids if "core_proc import main" in _cmdline(p) and _running(p)}
+def _engine_interpreters(tag: str) -> set[int]:
+    """The engine processes on the host (found by their command line) whose environment
+    carries ``EC_TEST_TAG=<tag>``: those of one server, whatever else runs beside it."""
+    mark = f"EC_TEST_TAG={tag}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if "core_proc import main" not in _cmdline(pid) or not _running(pid):
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if mark in environ:
+            found.add(pid)
+    return found
 
 
 @pytest.mark.parametrize("bad", ["max-model-len", "no-config"])
@@ -152,17 +166,17 @@ def test_startup_error_after_the_engine_interpreter_was_spawned(
     """The engine's interpreter starts ahead of the server's own imports; a bad flag
     or checkpoint found afterwards still gives the one-line error and exit 2, and that
     interpreter (never given its spec) is gone."""
-    before = _engine_interpreters()
+    tag = f"engine-death-{bad}-{os.getpid()}"
     args = ["--model", str(builtin_model_dir), "--max-model-len", "99999999"]
     if bad == "no-config":
         args = ["--model", str(tmp_path)]
-    proc = Proc("serve", args, "bad")
+    proc = Proc("serve", args, "bad", env={"EC_TEST_TAG": tag})
     try:
         assert proc.proc.wait(120) == 2, proc.log()
         assert "cannot start" in proc.log() and "Traceback" not in proc.log(), proc.log()
     finally:
         proc.stop()
     end = time.monotonic() + 10
-    while time.monotonic() < end and _engine_interpreters() - before:
+    while time.monotonic() < end and _engine_interpreters(tag):
         time.sleep(0.05)
-    assert not _engine_interpreters() - before, "a spawned engine interpreter outlived its server"
+    assert not _engine_interpreters(tag), "a spawned engine interpreter outlived its server"
