@@ -17,8 +17,9 @@ secret the entry is signed and each connection authenticated
 
 Consumer (``ec_consumer`` / ``ec_both``): an item is loadable when the
 request's ``ec_transfer_params`` name a peer for it that passes
-:func:`~ec_frontend.connectors.transfer_trust.check_entry` (the allowlist; with
-a secret, a valid unused signature). Entries that do not are refused once per
+:func:`~ec_frontend.connectors.transfer_trust.check_entry` (a peer named by
+``--transfer-peers``; with a secret, a valid unused signature; with neither,
+no peer passes). Entries that do not are refused once per
 request, logged with the reason and counted (``params_rejected``); the item is
 then a miss and is encoded locally. When the scheduler first
 considers the request, :meth:`ECSideChannelConnector.is_request_ready` starts
@@ -83,6 +84,7 @@ from ec_frontend.connectors.side_channel_wire import (
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import (
     TOKEN_KEY,
+    UNTRUSTED,
     check_entry,
     loggable,
     signed,
@@ -226,7 +228,10 @@ class ECSideChannelConnector(ECConnectorBase):
 
     def _reject(self, request: Request, mm_hash: str, reason: str) -> None:
         self.params_rejected += 1
-        logger.warning(
+        # Untrusted by configuration: said once at start, not once per request.
+        level = logging.DEBUG if reason.startswith(UNTRUSTED) else logging.WARNING
+        logger.log(
+            level,
             "request %s: ec_transfer_params for %s refused: %s; the item is a miss",
             loggable(request.request_id),
             mm_hash,

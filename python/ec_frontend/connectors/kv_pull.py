@@ -14,7 +14,9 @@ above their transports, and that part lives here:
 * decode (``kv_consumer`` / ``kv_both``): params that describe the request and
   pass the trust checks park it while a worker thread moves the KV; unusable
   params are logged and counted and the prompt is computed locally; a transfer
-  that fails fails the request with a clear error. Params are used once.
+  that fails fails the request with a clear error. Params are used once. An
+  instance with neither a transfer secret nor ``--transfer-peers`` trusts no
+  params: it computes the prompt locally without reading them.
 
 The transport is four methods: :meth:`KVPullConnector.check_params` (more checks
 on decode's side), :meth:`~KVPullConnector.hold_params` (prefill: register a hold,
@@ -50,6 +52,7 @@ from ec_frontend.connectors.kv_transfer_params import (
 )
 from ec_frontend.connectors.transfer_trust import (
     TOKEN_KEY,
+    UNTRUSTED,
     check_entry,
     loggable,
     new_token,
@@ -206,6 +209,12 @@ class KVPullConnector(KVConnectorBase):
         if not self.is_consumer or params is None or params.get("do_remote_prefill") is not True:
             return 0, False
         request.kv_transfer_params = None
+        if self.config.trust.trusts_nothing:
+            # No issuer is trusted: the params are ignored before they are even read.
+            self.params_rejected += 1
+            self.local_prefill_fallbacks += 1
+            logger.debug("request %s: %s", loggable(request.request_id), UNTRUSTED)
+            return 0, False
         remote = parse_remote_prefill(params, request)
         extra: Any = None
         if not isinstance(remote, str):
