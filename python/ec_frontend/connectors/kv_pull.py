@@ -48,6 +48,7 @@ from ec_frontend.connectors.kv_base import (
     KVLoadResult,
 )
 from ec_frontend.connectors.kv_transfer_params import (
+    HOLD_CLIENT_KEY,
     RemotePrefill,
     parse_remote_prefill,
     prompt_hash,
@@ -61,6 +62,7 @@ from ec_frontend.connectors.transfer_trust import (
     new_token,
     signed,
 )
+from ec_frontend.errors import ConfigError
 from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
@@ -76,6 +78,8 @@ logger = logging.getLogger(__name__)
 #: hold: a slow peer keeps at most half, so transfers from other peers go on.
 PULL_WORKERS = 8
 PULLS_PER_PEER = 4
+#: Default share of prefill's KV blocks that the holds of one client may keep.
+CLIENT_HOLD_FRACTION = 0.25
 
 
 @dataclass(slots=True)
@@ -116,6 +120,13 @@ class PullState(Generic[HoldT]):
 
     def __init__(self, config: KVTransferConfig, *, ttl_s: float, timeout_s: float) -> None:
         self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.client_hold_fraction = _fraction(
+            config.kv_connector_extra_config.get("max_client_hold_fraction", CLIENT_HOLD_FRACTION)
+        )
+        #: Blocks held per client, and each hold's client and block count.
+        self.client_blocks: dict[str, int] = {}
+        self.hold_clients: dict[str, tuple[str, int]] = {}
+        self.holds_refused = 0
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
@@ -142,6 +153,7 @@ class PullState(Generic[HoldT]):
 
     def free_hold(self, rid: str, *, sent: bool) -> None:
         """Drop ``rid``'s hold (caller holds ``lock``); the scheduler then frees its blocks."""
+        self.unreserve(rid)
         hold = self.holds.pop(rid, None)
         if hold is None:
             return
@@ -149,8 +161,50 @@ class PullState(Generic[HoldT]):
             self.tokens_sent += hold.num_tokens
         self.sent.add(rid)
 
+    def reserve(self, rid: str, client: str, num_blocks: int) -> str | None:
+        """Count ``num_blocks`` against ``client`` for the hold of ``rid``, or say why
+        not: its holds would keep more than its share of the cache's blocks."""
+        caches = self.kv_caches
+        total = int(caches[0].shape[1]) if caches else 0
+        bound = max(1, int(total * self.client_hold_fraction))
+        with self.lock:
+            held = self.client_blocks.get(client, 0)
+            if total and held + num_blocks > bound:
+                self.holds_refused += 1
+                return (
+                    f"this client's held KV ({held} blocks) plus this request's "
+                    f"({num_blocks}) would pass its bound of {bound} blocks "
+                    f"(max_client_hold_fraction {self.client_hold_fraction:g} of {total}); "
+                    "the KV is not held: decode computes the prompt"
+                )
+            self.client_blocks[client] = held + num_blocks
+            self.hold_clients[rid] = (client, num_blocks)
+        return None
+
+    def unreserve(self, rid: str) -> None:
+        """Give back what :meth:`reserve` counted for ``rid`` (caller holds ``lock``)."""
+        entry = self.hold_clients.pop(rid, None)
+        if entry is None:
+            return
+        client, num_blocks = entry
+        left = self.client_blocks[client] - num_blocks
+        if left > 0:
+            self.client_blocks[client] = left
+        else:
+            del self.client_blocks[client]
+
     def close(self) -> None:
         """Release the transport (default: nothing)."""
+
+
+def _fraction(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+    if not ok:
+        raise ConfigError(
+            "kv_connector_extra_config.max_client_hold_fraction must lie in (0, 1]",
+            "kv_connector_extra_config.max_client_hold_fraction",
+        )
+    return float(value)
 
 
 class KVPullConnector(KVConnectorBase):
@@ -292,9 +346,21 @@ class KVPullConnector(KVConnectorBase):
             or not block_ids
         ):
             return False, None
+        client = params.get(HOLD_CLIENT_KEY)
+        client = client if isinstance(client, str) else ""
+        refused = state.reserve(rid, client, len(block_ids))
+        if refused is not None:
+            logger.warning(
+                "request %s: KV hold refused for client %s: %s",
+                loggable(rid), loggable(client), refused,
+            )  # fmt: skip
+            return False, {"do_remote_prefill": False, "do_remote_decode": False,
+                           "hold_refused": refused}  # fmt: skip
         token = new_token()
         where = self.hold_params(request, list(block_ids), token)
         if where is None:
+            with state.lock:
+                state.unreserve(rid)
             return False, None
         # Only an M-RoPE prompt has a non-zero delta; decode reads an absent key as 0.
         delta = request.mrope_position_delta
@@ -391,6 +457,11 @@ class KVPullConnector(KVConnectorBase):
     def num_tokens_sent(self) -> int:
         with self.state.lock:
             return self.state.tokens_sent
+
+    @property
+    def num_holds_refused(self) -> int:
+        with self.state.lock:
+            return self.state.holds_refused
 
     @property
     def num_requests_held(self) -> int:

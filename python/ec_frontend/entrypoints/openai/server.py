@@ -292,7 +292,7 @@ class App:
 
     async def chat(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "chat")
-        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id, _client(request))
         ids = f"chatcmpl-{ctx.request_id}"
         if parsed.stream:
             return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids), jobs)
@@ -302,7 +302,7 @@ class App:
 
     async def completions(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "completions")
-        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id, _client(request))
         ids = f"cmpl-{ctx.request_id}"
         if parsed.stream:
             return self.sse(completion_stream(self.serving, ctx, parsed, jobs, ids), jobs)
@@ -314,7 +314,7 @@ class App:
 
     async def responses(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "responses")
-        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id, _client(request))
         resp_id = f"resp_{ctx.request_id}"
         if parsed.stream:
             return self.sse(response_stream(self.serving, ctx, parsed, jobs, resp_id), jobs)
@@ -348,7 +348,7 @@ class App:
                 code="invalid_value",
             )
         rid = parsed.request_id or ctx.request_id
-        jobs = await self.serving.make_jobs(parsed, rid)
+        jobs = await self.serving.make_jobs(parsed, rid, _client(request))
         if parsed.stream:
             return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
@@ -380,6 +380,13 @@ class App:
         return Response(
             render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+
+def _client(request: Request) -> str:
+    """Who is asking, as far as this server can tell: the peer's address (one API key
+    is one principal, so the key tells callers apart no better)."""
+    peer = request.client
+    return peer.host if peer is not None else ""
 
 
 async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
