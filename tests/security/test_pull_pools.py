@@ -110,7 +110,8 @@ def request(port: int) -> Request:
     """A request with one image whose params name the (operator-named) peer at ``port``."""
     mm_hash = f"{next(_hashes):032x}"
     entry: dict[str, Any] = {"peer_host": "127.0.0.1", "peer_port": port, "num_tokens": ROWS,
-                             "dtype": "float32", "shape": [ROWS, HIDDEN], "token": new_token()}  # fmt: skip
+                             "dtype": "float32", "shape": [ROWS, HIDDEN],
+                             "token": new_token()}  # fmt: skip
     params = {mm_hash: entry}
     feature = MultiModalFeature(mm_hash, 1, ROWS, (1, 4, 4), torch.zeros(16, 8))
     sampling = SamplingParams(max_tokens=1, extra_args={"ec_transfer_params": params})

@@ -99,7 +99,9 @@ def test_kv_params_naming_a_client_peer_are_ignored_the_same_for_open_and_closed
     seen = {}
     for name, port in ports(dep).items():
         params = kv_params(ids, port)
-        seen[name] = answer(post(c, "/inference/v1/generate", {**body, "kv_transfer_params": params}))
+        seen[name] = answer(
+            post(c, "/inference/v1/generate", {**body, "kv_transfer_params": params})
+        )
     assert seen["open"] == seen["closed"] == plain
     assert rec.accepted == 0
     assert c.metric("kv_tokens_received_total") == received
@@ -112,8 +114,8 @@ def test_a_reference_that_needs_the_params_is_refused_with_one_text_whatever_the
     # served. The refusal is one fixed text; nothing in it depends on the port.
     c, rec = dep["c"], dep["open"]
     part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "ref-1"}
-    body = {"model": "tiny", "max_tokens": 2,
-            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]}  # fmt: skip
+    content = [part, {"type": "text", "text": "hi"}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
     plain = answer(post(c, "/v1/chat/completions", body))
     assert plain[0] == 400 and plain[1]["error"]["code"] == "ec_item_unavailable"
     # The item's key, as the consumer names it in its refusal.

@@ -29,8 +29,9 @@ into the encoder cache. Pulls run in parallel, each bounded by ``timeout_s``
 (the whole pull), by the size the params announced (at most
 ``max_item_bytes``), at most ``PULLS_PER_PEER`` at once from one peer
 (:mod:`~ec_frontend.connectors.peer_pool`), and checked for the announced
-shape and dtype and for finite values. An item that cannot be pulled is a load failure: the runner encodes it locally, or
-fails the request when it has no pixel values. Items offered but found in the
+shape and dtype and for finite values. An item that cannot be pulled is a load
+failure: the runner encodes it locally, or fails the request when it has no
+pixel values. Items offered but found in the
 consumer's cache are released at the producer.
 
 Settings (``ec_connector_extra_config`` wins over the environment):
