@@ -163,13 +163,15 @@ class PullState(Generic[HoldT]):
 
     def reserve(self, rid: str, client: str, num_blocks: int) -> str | None:
         """Count ``num_blocks`` against ``client`` for the hold of ``rid``, or say why
-        not: its holds would keep more than its share of the cache's blocks."""
+        not: its holds would keep more than its share of the cache's blocks. A client
+        holding nothing may always hold one request (a share smaller than one prompt
+        would end P/D for everyone)."""
         caches = self.kv_caches
         total = int(caches[0].shape[1]) if caches else 0
         bound = max(1, int(total * self.client_hold_fraction))
         with self.lock:
             held = self.client_blocks.get(client, 0)
-            if total and held + num_blocks > bound:
+            if total and held and held + num_blocks > bound:
                 self.holds_refused += 1
                 return (
                     f"this client's held KV ({held} blocks) plus this request's "
