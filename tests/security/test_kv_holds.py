@@ -19,15 +19,65 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from ec_frontend.config import ConfigError, KVTransferConfig
+from ec_frontend.connectors.kv_pull import PullState
+from ec_frontend.connectors.kv_transfer_params import HOLD_CLIENT_KEY, stamp_hold_client
 
 from ..disagg.conftest import proxy, serve, side_channel_kv
 from ..helpers.processes import Proc, start_all
 
-pytestmark = pytest.mark.slow
-
 TTL_S = 4.0
 PROMPT_TOKENS = 256  # 16 blocks of 16
 BOUND_HOLDS = 4
+
+
+@pytest.mark.parametrize(
+    ("params", "want"),
+    [
+        ({"do_remote_decode": True}, {"do_remote_decode": True, HOLD_CLIENT_KEY: "10.0.0.9"}),
+        ({"do_remote_decode": True, HOLD_CLIENT_KEY: "forged"},
+         {"do_remote_decode": True, HOLD_CLIENT_KEY: "10.0.0.9"}),
+        ({"do_remote_decode": "yes", HOLD_CLIENT_KEY: "forged"}, {"do_remote_decode": "yes"}),
+        ({"do_remote_prefill": True}, {"do_remote_prefill": True}),
+        (None, None),
+        ([1], [1]),
+    ],
+    ids=["stamped", "overwritten", "not-a-hold", "decode-side", "null", "not-an-object"],
+)  # fmt: skip
+def test_the_server_names_the_client_whatever_the_body_says(params: Any, want: Any) -> None:
+    assert stamp_hold_client(params, "10.0.0.9") == want
+
+
+def state(fraction: float | None = None) -> PullState[Any]:
+    extra = {} if fraction is None else {"max_client_hold_fraction": fraction}
+    st: PullState[Any] = PullState(
+        KVTransferConfig("KVSideChannelConnector", "kv_producer", extra), ttl_s=30, timeout_s=5
+    )
+    st.bind_caches([torch.zeros(2, 100, 1)])  # 100 blocks
+    return st
+
+
+def test_the_bound_counts_blocks_per_client_and_frees_them_with_the_hold() -> None:
+    st = state(0.2)  # 20 blocks per client
+    assert st.reserve("a1", "a", 15) is None
+    assert st.reserve("b1", "b", 20) is None
+    refusal = st.reserve("a2", "a", 6)
+    assert refusal is not None and "bound of 20 blocks" in refusal
+    assert st.reserve("a3", "a", 5) is None
+    with st.lock:
+        st.free_hold("a1", sent=True)
+    assert st.client_blocks == {"a": 5, "b": 20} and st.holds_refused == 1
+    assert st.reserve("a4", "a", 15) is None
+    # A client that holds nothing may hold one request of any size.
+    assert st.reserve("c1", "c", 90) is None
+    assert st.reserve("c2", "c", 1) is not None
+
+
+@pytest.mark.parametrize("fraction", [0, 1.5, "x", True])
+def test_the_fraction_is_checked(fraction: Any) -> None:
+    with pytest.raises(ConfigError, match="max_client_hold_fraction"):
+        state(fraction)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +125,7 @@ def via_proxy(px: Proc, text: str) -> httpx.Response:
     return r
 
 
+@pytest.mark.slow
 def test_holds_of_one_client_are_bounded_and_the_refusal_says_so(dep: dict[str, Proc]) -> None:
     p = dep["p"]
     time.sleep(TTL_S + 0.5)  # no hold left from another test
@@ -96,6 +147,7 @@ def test_holds_of_one_client_are_bounded_and_the_refusal_says_so(dep: dict[str, 
     assert hold(p)["do_remote_prefill"] is True
 
 
+@pytest.mark.slow
 def test_the_proxy_falls_back_to_a_local_prefill_when_its_holds_are_refused(
     dep: dict[str, Proc],
 ) -> None:
