@@ -89,12 +89,12 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Proc]]:
                    extra=["--kv-cache-memory", str(4 << 20)]),
         "d": serve(m, "d", kv=side_channel_kv("kv_consumer")),
     }  # fmt: skip
-    procs = start_all(list(engines.values()))
-    px = proxy("px", prefill=[engines["p"].url], decode=[engines["d"].url])
-    procs += start_all([px])
-    yield {**engines, "px": px}
-    for p in procs:
-        p.stop()
+    # The proxy starts beside them: it reaches its upstreams only per request.
+    every = {**engines, "px": proxy("px", prefill=[engines["p"].url], decode=[engines["d"].url])}
+    start_all(list(every.values()))
+    yield every
+    for proc in every.values():
+        proc.stop()
 
 
 _prompts = iter(range(1, 1 << 20))

@@ -64,46 +64,50 @@ def post(c: Proc, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(c.url + path, json=body, timeout=60)
 
 
+def same_for_every_port(
+    dep: dict[str, Any], path: str, body: dict[str, Any], key: str, params: Any
+) -> tuple[int, Any]:
+    """The answer without transfer params; checks that ``key: params(port)`` added for
+    an open and a closed port gets exactly that answer and opens no connection."""
+    c, rec = dep["c"], dep["open"]
+    plain = answer(post(c, path, body))
+    seen = {name: answer(post(c, path, {**body, key: params(port)}))
+            for name, port in ports(dep).items()}  # fmt: skip
+    assert seen["open"] == seen["closed"] == plain
+    assert rec.accepted == 0
+    return plain
+
+
 def test_ec_params_naming_a_client_peer_are_ignored_the_same_for_open_and_closed_ports(
     dep: dict[str, Any],
 ) -> None:
-    c, rec = dep["c"], dep["open"]
+    c = dep["c"]
     image = png_data_url(56, (12, 200, 77))
     mm_hash = item_hash(dep["e"], image)
     body = {"model": "tiny", "messages": messages("hello", image), "max_tokens": 4,
             "temperature": 0, "logprobs": True}  # fmt: skip
     post(c, "/v1/chat/completions", body)  # the prompt is computed, then cached
-    plain = answer(post(c, "/v1/chat/completions", body))
-    assert plain[0] == 200
     rejected = c.metric("transfer_params_rejected_total")
-    seen = {}
-    for name, port in ports(dep).items():
-        params = {mm_hash: {**entry(port), "num_tokens": 16, "shape": [16, 64]}}
-        seen[name] = answer(post(c, "/v1/chat/completions", {**body, "ec_transfer_params": params}))
     # The same answer as without the params: tokens, logprobs, usage.
-    assert seen["open"] == seen["closed"] == plain
-    assert rec.accepted == 0
+    plain = same_for_every_port(dep, "/v1/chat/completions", body, "ec_transfer_params",
+                                lambda port: {mm_hash: {**entry(port), "num_tokens": 16,
+                                                        "shape": [16, 64]}})  # fmt: skip
+    assert plain[0] == 200
     assert c.metric("transfer_params_rejected_total") == rejected + 2
 
 
 def test_kv_params_naming_a_client_peer_are_ignored_the_same_for_open_and_closed_ports(
     dep: dict[str, Any],
 ) -> None:
-    c, rec = dep["c"], dep["open"]
+    c = dep["c"]
     ids = [31, 41, 59, 26, 53, 58, 97]
     body = {"token_ids": ids, "sampling_params": {"max_tokens": 3, "temperature": 0}}
     post(c, "/inference/v1/generate", body)  # the prompt is computed, then cached
-    plain = answer(post(c, "/inference/v1/generate", body))
-    assert plain[0] == 200
     received = c.metric("kv_tokens_received_total")
-    seen = {}
-    for name, port in ports(dep).items():
-        params = kv_params(ids, port)
-        seen[name] = answer(
-            post(c, "/inference/v1/generate", {**body, "kv_transfer_params": params})
-        )
-    assert seen["open"] == seen["closed"] == plain
-    assert rec.accepted == 0
+    plain = same_for_every_port(
+        dep, "/inference/v1/generate", body, "kv_transfer_params", lambda p: kv_params(ids, p)
+    )
+    assert plain[0] == 200
     assert c.metric("kv_tokens_received_total") == received
 
 
@@ -112,20 +116,18 @@ def test_a_reference_that_needs_the_params_is_refused_with_one_text_whatever_the
 ) -> None:
     # A metadata-only reference carries no image: without a trusted load it cannot be
     # served. The refusal is one fixed text; nothing in it depends on the port.
-    c, rec = dep["c"], dep["open"]
+    c = dep["c"]
     part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "ref-1"}
     content = [part, {"type": "text", "text": "hi"}]
     body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
-    plain = answer(post(c, "/v1/chat/completions", body))
-    assert plain[0] == 400 and plain[1]["error"]["code"] == "ec_item_unavailable"
+    refusal = answer(post(c, "/v1/chat/completions", body))
+    assert refusal[0] == 400 and refusal[1]["error"]["code"] == "ec_item_unavailable"
     # The item's key, as the consumer names it in its refusal.
-    mm_hash = plain[1]["error"]["message"].split()[2]
-    seen = {}
-    for name, port in ports(dep).items():
-        params = {mm_hash: {**entry(port), "num_tokens": 4, "shape": [4, 64]}}
-        seen[name] = answer(post(c, "/v1/chat/completions", {**body, "ec_transfer_params": params}))
-    assert seen["open"] == seen["closed"] == plain
-    assert rec.accepted == 0
+    mm_hash = refusal[1]["error"]["message"].split()[2]
+    plain = same_for_every_port(dep, "/v1/chat/completions", body, "ec_transfer_params",
+                                lambda port: {mm_hash: {**entry(port), "num_tokens": 4,
+                                                        "shape": [4, 64]}})  # fmt: skip
+    assert plain == refusal
     assert httpx.get(c.url + "/health", timeout=10).status_code == 200
 
 
