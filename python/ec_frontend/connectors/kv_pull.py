@@ -348,9 +348,10 @@ class KVPullConnector(KVConnectorBase):
             or not block_ids
         ):
             return False, None
+        # Named by the API server for every HTTP request; absent only for in-process
+        # callers (the operator's own code), whose holds are not bounded.
         client = params.get(HOLD_CLIENT_KEY)
-        client = client if isinstance(client, str) else ""
-        refused = state.reserve(rid, client, len(block_ids))
+        refused = state.reserve(rid, client, len(block_ids)) if isinstance(client, str) else None
         if refused is not None:
             logger.warning(
                 "request %s: KV hold refused for client %s: %s",

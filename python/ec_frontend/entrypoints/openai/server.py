@@ -386,7 +386,7 @@ def _client(request: Request) -> str:
     """Who is asking, as far as this server can tell: the peer's address (one API key
     is one principal, so the key tells callers apart no better)."""
     peer = request.client
-    return peer.host if peer is not None else ""
+    return peer.host if peer is not None and peer.host else "unknown"
 
 
 async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -309,7 +309,9 @@ class Serving:
             structured = {**structured, "endpoint": "responses"}
         return await self.run_processing(self.structured.compile, structured, auto_tools=auto)
 
-    async def make_jobs(self, parsed: ParsedRequest, base_id: str, client: str = "") -> list[Job]:
+    async def make_jobs(
+        self, parsed: ParsedRequest, base_id: str, client: str = "unknown"
+    ) -> list[Job]:
         """Process inputs and build one :class:`Job` per engine request. ``client`` (the
         caller's address) names who holds the KV of a ``do_remote_decode`` request."""
         self._check_media(parsed)
