@@ -61,8 +61,6 @@ def _reject_unknown(data: Mapping[str, Any], known: set[str], what: str) -> None
 
 #: Environment variable holding the deployment's transfer secret.
 TRANSFER_SECRET_ENV = "EC_FRONTEND_TRANSFER_SECRET"
-#: Peers a consumer without a secret may contact when no allowlist is given.
-DEFAULT_TRANSFER_PEERS = "127.0.0.0/8,[::1]"
 MIN_SECRET_BYTES = 16
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -139,9 +137,6 @@ def parse_transfer_peers(spec: str) -> tuple[PeerRule, ...]:
     return tuple(rules)
 
 
-_LOOPBACK = parse_transfer_peers(DEFAULT_TRANSFER_PEERS)
-
-
 @dataclass(frozen=True)
 class TransferTrust:
     """Which transfer params an instance acts on (DESIGN 4.3, ``docs/security.md``).
@@ -149,9 +144,11 @@ class TransferTrust:
     ``secret``: the deployment's shared key; producers sign the params they
     emit, consumers act only on params with a valid, unexpired, unused
     signature, and side-channel connections authenticate with it. ``peers``:
-    the allowlist of addresses a consumer may contact; ``None`` means any
-    signed peer with a secret, loopback only without one. ``max_entries``
-    bounds the entries of one request's params that are looked at.
+    the peers the operator named (``--transfer-peers``); a consumer contacts
+    only those. With neither, nothing is trusted: transfer params a consumer is
+    given are ignored (DESIGN 4.3: a client never chooses the sockets an
+    instance opens). ``max_entries`` bounds the entries of one request's params
+    that are looked at.
     """
 
     secret: bytes | None = field(default=None, repr=False)
@@ -166,11 +163,17 @@ class TransferTrust:
         _positive(self.max_entries, "max_entries")
 
     @property
+    def trusts_nothing(self) -> bool:
+        """Neither a secret nor named peers: every transfer param is ignored."""
+        return self.secret is None and self.peers is None
+
+    @property
     def allowlist(self) -> tuple[PeerRule, ...] | None:
-        """The rules every peer must pass (``None``: no address rule applies)."""
-        if self.peers is not None or self.secret is not None:
-            return self.peers
-        return _LOOPBACK
+        """The rules every peer must pass (``None``: no address rule applies, the
+        signature decides; empty: no peer passes)."""
+        if self.trusts_nothing:
+            return ()
+        return self.peers
 
     @classmethod
     def from_options(

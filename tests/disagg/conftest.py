@@ -8,8 +8,10 @@ per instance per test module.
 Every instance and proxy gets the transfer secret :data:`SECRET` (through
 ``$EC_FRONTEND_TRANSFER_SECRET``) unless started with ``secret=None``: the
 suite runs with signed transfer params, and ``test_epd_unsigned.py`` runs the
-main flows without a secret (loopback peers only). A test that changes params
-on purpose re-signs them with :func:`resign` (it plays the trusted producer).
+main flows without a secret (the consumers name their peers with
+``--transfer-peers``: with neither, an instance ignores every transfer param).
+A test that changes params on purpose re-signs them with :func:`resign` (it
+plays the trusted producer).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""E+PD and E+P+D over the side channels without a transfer secret (loopback peers).
+"""E+PD and E+P+D over the side channels without a transfer secret (named peers).
 
 The rest of the suite runs with signed transfer params; this module runs the
 main flows of ``test_epd.py`` with no secret anywhere, as in a single-host
-deployment that relies on the default allowlist (loopback only): same tokens
-and logprobs as an aggregated instance, nothing recomputed.
+deployment whose operator names its producers (``--transfer-peers 127.0.0.1``;
+with no secret and no named peer nothing is trusted, ``tests/security/
+test_transfer_default.py``): same tokens and logprobs as an aggregated instance,
+nothing recomputed.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ TOPOLOGIES = ("E+PD/side-channel", "E+P+D")
 @pytest.fixture(scope="module")
 def dep(builtin_model_dir: Path) -> Iterator[dict[str, Proc]]:
     m = builtin_model_dir
+    named = ["--transfer-peers", "127.0.0.1"]
     engines = {
         "agg": serve(m, "agg", secret=None),
         "e": serve(m, "e", ec=side_channel_ec("ec_producer"), secret=None),
         "pd": serve(m, "pd", ec=side_channel_ec("ec_consumer"),
-                    kv=side_channel_kv("kv_both", ttl_s=10.0), secret=None),
-        "d": serve(m, "d", kv=side_channel_kv("kv_consumer"), secret=None),
+                    kv=side_channel_kv("kv_both", ttl_s=10.0), secret=None, extra=named),
+        "d": serve(m, "d", kv=side_channel_kv("kv_consumer"), secret=None, extra=named),
     }  # fmt: skip
     procs = start_all(list(engines.values()))
     proxies = {
@@ -89,7 +92,7 @@ def test_unsigned_flows_recompute_nothing(dep: dict[str, Proc], topology: str) -
 def test_unverified_kv_peer_that_fails_is_the_requests_own_error(
     dep: dict[str, Proc], stream: bool
 ) -> None:
-    """Without a secret, params naming a loopback peer that cannot serve the KV are a 400."""
+    """Without a secret, params naming a named peer that cannot serve the KV are a 400."""
     ids = [2, 7, 1, 8, 2, 8]
     body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0},
             "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip

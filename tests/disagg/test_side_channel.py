@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from ec_frontend.config import ConfigError, ECTransferConfig, KVTransferConfig
+from ec_frontend.config import (
+    ConfigError,
+    ECTransferConfig,
+    KVTransferConfig,
+    TransferTrust,
+    parse_transfer_peers,
+)
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.ec_side_channel import ECSideChannelConnector, parse_peer
 from ec_frontend.connectors.kv_base import KVConnectorRole
@@ -399,8 +405,11 @@ def test_decode_consumes_params_once_and_keeps_a_pending_load(
     ids = [1, 2, 3, 4, 5]
     extra = {"kv_transfer_params": _remote(ids) if params == "valid" else params}
     req = Request("r", ids, SamplingParams(max_tokens=4, extra_args=extra))
+    # The operator names the prefill peer (with neither that nor a secret, nothing loads).
+    trust = TransferTrust(peers=parse_transfer_peers("127.0.0.1"))
     conn = KVSideChannelConnector(
-        KVTransferConfig("KVSideChannelConnector", "kv_consumer"), KVConnectorRole.SCHEDULER
+        KVTransferConfig("KVSideChannelConnector", "kv_consumer", trust=trust),
+        KVConnectorRole.SCHEDULER,
     )
     assert conn.get_num_new_matched_tokens(req, 0) == want
     # Asked again (its blocks could not be allocated): the same answer, params used once.

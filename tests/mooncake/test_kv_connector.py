@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from ec_frontend.config import KVTransferConfig, TransferTrust
+from ec_frontend.config import KVTransferConfig, TransferTrust, parse_transfer_peers
 from ec_frontend.connectors.kv_base import KVConnectorRole, KVLoadResult
 from ec_frontend.connectors.mooncake_kv import MooncakeConnector, RemoteLayout, read_plan
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, signed
@@ -30,11 +30,14 @@ def caches(num_blocks: int = 12, layers: int = 2) -> list[torch.Tensor]:
     return [torch.randn(2, num_blocks, 8, 2, 4) for _ in range(layers)]
 
 
-def connector(role: str, *, secret: bytes | None = SECRET, **extra: Any) -> MooncakeConnector:
+def connector(
+    role: str, *, secret: bytes | None = SECRET, peers: str | None = None, **extra: Any
+) -> MooncakeConnector:
+    rules = parse_transfer_peers(peers) if peers else None
     config = KVTransferConfig.from_json(
         {"kv_connector": "MooncakeConnector", "kv_role": role,
          "kv_connector_extra_config": {"timeout_s": 1.0, **extra}},
-        trust=TransferTrust(secret=secret),
+        trust=TransferTrust(secret=secret, peers=rules),
     )  # fmt: skip
     return MooncakeConnector(config, KVConnectorRole.WORKER)
 
@@ -150,9 +153,12 @@ def test_unsigned_params_need_an_explicit_opt_in() -> None:
     p.save_kv(caches())
     params = hand_over(p, "r6", [1, 2, 3])
     assert SIGNATURE_KEY not in params
-    strict = connector("kv_consumer", secret=None)
+    strict = connector("kv_consumer", secret=None, peers="127.0.0.1")
     assert strict.get_num_new_matched_tokens(request("r6", **params), 0) == (0, False)
-    trusting = connector("kv_consumer", secret=None, allow_unsigned_params=True)
+    # The opt-in alone is not enough: with no named peer nothing is trusted.
+    unnamed = connector("kv_consumer", secret=None, allow_unsigned_params=True)
+    assert unnamed.get_num_new_matched_tokens(request("r6", **params), 0) == (0, False)
+    trusting = connector("kv_consumer", secret=None, peers="127.0.0.1", allow_unsigned_params=True)
     result = load(trusting, caches(), "r6", params, [1, 2, 3])
     assert result is not None and result.error is None
 

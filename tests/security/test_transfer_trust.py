@@ -136,9 +136,10 @@ def test_a_signed_entry_is_accepted_once() -> None:
 @pytest.mark.parametrize(
     ("secret", "peers", "host", "port", "allowed"),
     [
-        (None, None, "127.0.0.1", 5501, True),
-        (None, None, "127.9.9.9", 1, True),
-        (None, None, "::1", 5600, True),
+        # Neither a secret nor named peers: no peer at all, loopback included.
+        (None, None, "127.0.0.1", 5501, False),
+        (None, None, "127.9.9.9", 1, False),
+        (None, None, "::1", 5600, False),
         (None, None, "localhost", 5501, False),
         (None, None, "10.0.0.1", 5501, False),
         (None, None, "0.0.0.0", 5501, False),
@@ -260,8 +261,12 @@ def test_signed_consumer_refuses_other_entries_without_connecting(
     assert conn.params_rejected == 1
 
 
-def test_without_a_secret_only_allowed_peers_are_contacted(recorder: FakePeer) -> None:
-    loopback = ec_consumer()
+def test_without_a_secret_only_named_peers_are_contacted(recorder: FakePeer) -> None:
+    # The default (no secret, no named peer) trusts no one, loopback included.
+    default = ec_consumer()
+    assert settle(recorder, default, ec_request("a", {HASH: entry(recorder.port)})) == 0
+    assert default.params_rejected == 1
+    loopback = ec_consumer(peers=parse_transfer_peers("127.0.0.1"))
     assert settle(recorder, loopback, ec_request("a", {HASH: entry(recorder.port)})) == 1
     # A name is never resolved: "localhost" is not an address on the list.
     named = ec_request("b", {HASH: entry(recorder.port, host="localhost")})
@@ -299,24 +304,30 @@ def kv_params(ids: list[int], port: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("secret", "sign_with", "loads"),
+    ("secret", "peers", "sign_with", "loads"),
     [
-        (SECRET, None, False),
-        (SECRET, b"a-guessed-secret-0123456789", False),
-        (SECRET, SECRET, True),
-        (None, None, True),
+        (SECRET, None, None, False),
+        (SECRET, None, b"a-guessed-secret-0123456789", False),
+        (SECRET, None, SECRET, True),
+        (None, "127.0.0.1", None, True),
+        (None, None, None, False),
     ],
-    ids=["unsigned", "forged", "signed", "no-secret-loopback"],
+    ids=["unsigned", "forged", "signed", "no-secret-named-peer", "no-secret-no-peer"],
 )
 def test_kv_consumer_checks_params_before_anything_else(
-    recorder: FakePeer, secret: bytes | None, sign_with: bytes | None, loads: bool
+    recorder: FakePeer,
+    secret: bytes | None,
+    peers: str | None,
+    sign_with: bytes | None,
+    loads: bool,
 ) -> None:
     ids = [4, 5, 6, 7]
     params = kv_params(ids, recorder.port)
     if sign_with is not None:
         params = signed(sign_with, "kv", "p-1", params, 30)
+    trust = TransferTrust(secret, parse_transfer_peers(peers) if peers else None)
     conn = KVSideChannelConnector(
-        KVTransferConfig("KVSideChannelConnector", "kv_consumer", trust=TransferTrust(secret)),
+        KVTransferConfig("KVSideChannelConnector", "kv_consumer", trust=trust),
         KVConnectorRole.SCHEDULER,
     )
     got = conn.get_num_new_matched_tokens(kv_request(ids, params), 0)

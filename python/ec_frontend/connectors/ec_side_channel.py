@@ -17,8 +17,9 @@ secret the entry is signed and each connection authenticated
 
 Consumer (``ec_consumer`` / ``ec_both``): an item is loadable when the
 request's ``ec_transfer_params`` name a peer for it that passes
-:func:`~ec_frontend.connectors.transfer_trust.check_entry` (the allowlist; with
-a secret, a valid unused signature). Entries that do not are refused once per
+:func:`~ec_frontend.connectors.transfer_trust.check_entry` (a peer named by
+``--transfer-peers``; with a secret, a valid unused signature; with neither,
+no peer passes). Entries that do not are refused once per
 request, logged with the reason and counted (``params_rejected``); the item is
 then a miss and is encoded locally. When the scheduler first
 considers the request, :meth:`ECSideChannelConnector.is_request_ready` starts
@@ -26,9 +27,11 @@ pulling its items in the background and the request waits aside (the batch
 runs on) until every pull has ended; the worker then takes the pulled tensors
 into the encoder cache. Pulls run in parallel, each bounded by ``timeout_s``
 (the whole pull), by the size the params announced (at most
-``max_item_bytes``), and checked for the announced shape and dtype and for
-finite values. An item that cannot be pulled is a load failure: the runner encodes it locally, or
-fails the request when it has no pixel values. Items offered but found in the
+``max_item_bytes``), at most ``PULLS_PER_PEER`` at once from one peer
+(:mod:`~ec_frontend.connectors.peer_pool`), and checked for the announced
+shape and dtype and for finite values. An item that cannot be pulled is a load
+failure: the runner encodes it locally, or fails the request when it has no
+pixel values. Items offered but found in the
 consumer's cache are released at the producer.
 
 Settings (``ec_connector_extra_config`` wins over the environment):
@@ -58,7 +61,7 @@ import contextlib
 import functools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -73,6 +76,7 @@ from ec_frontend.connectors.base import (
 )
 from ec_frontend.connectors.ec_item_params import item_fields
 from ec_frontend.connectors.ec_side_channel_store import SideChannelShared
+from ec_frontend.connectors.peer_pool import PeerPool
 from ec_frontend.connectors.side_channel_wire import (
     WireError,
     env_setting,
@@ -83,6 +87,7 @@ from ec_frontend.connectors.side_channel_wire import (
 from ec_frontend.connectors.transfer_settings import Settings
 from ec_frontend.connectors.transfer_trust import (
     TOKEN_KEY,
+    UNTRUSTED,
     check_entry,
     loggable,
     signed,
@@ -97,6 +102,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Pull threads of one consumer, and how many of them one peer may hold: a slow or
+#: dripping peer keeps at most half, so pulls from other peers never wait behind it.
+PULL_WORKERS = 16
+PULLS_PER_PEER = 8
+
 
 @dataclass(frozen=True, slots=True)
 class Peer:
@@ -109,6 +119,10 @@ class Peer:
     dtype: str
     shape: list[int]
     token: str
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
 
 
 @dataclass(slots=True)
@@ -183,7 +197,7 @@ class ECSideChannelConnector(ECConnectorBase):
         self._loading: dict[str, set[str]] = {}
         self._prefetched: dict[str, set[str]] = {}
         self.staging = self.shared.staging
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: PeerPool | None = None
 
     @classmethod
     def create_shared(cls, config: ECTransferConfig) -> SideChannelShared:
@@ -226,7 +240,10 @@ class ECSideChannelConnector(ECConnectorBase):
 
     def _reject(self, request: Request, mm_hash: str, reason: str) -> None:
         self.params_rejected += 1
-        logger.warning(
+        # Untrusted by configuration: said once at start, not once per request.
+        level = logging.DEBUG if reason.startswith(UNTRUSTED) else logging.WARNING
+        logger.log(
+            level,
             "request %s: ec_transfer_params for %s refused: %s; the item is a miss",
             loggable(request.request_id),
             mm_hash,
@@ -316,7 +333,7 @@ class ECSideChannelConnector(ECConnectorBase):
             self.staging.detach(request.request_id, fetched)
         for mm_hash, peer in self._trusted.get(request.request_id, {}).items():
             if mm_hash not in loaded and mm_hash not in fetched:
-                self._executor().submit(self._release, mm_hash, peer)
+                self._executor().submit(peer.address, self._release, mm_hash, peer)
 
     def _release(self, mm_hash: str, peer: Peer) -> None:
         try:
@@ -331,11 +348,11 @@ class ECSideChannelConnector(ECConnectorBase):
             logger.info("EC release of %s at %s:%d failed: %s", mm_hash, peer.host, peer.port, exc)
 
     def _start_pull(self, spec: ECLoadSpec, peer: Peer) -> Future[torch.Tensor | None]:
-        return self._executor().submit(self._pull, spec, peer)
+        return self._executor().submit(peer.address, self._pull, spec, peer)
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> PeerPool:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ec-side-channel")
+            self._pool = PeerPool(PULL_WORKERS, PULLS_PER_PEER, "ec-side-channel")
         return self._pool
 
     # ---- worker side ----------------------------------------------------
@@ -351,7 +368,9 @@ class ECSideChannelConnector(ECConnectorBase):
         futures: dict[str, Future[torch.Tensor | None]] = {}
         for mm_hash, spec in unique.items():
             staged = self.staging.take(mm_hash) if self.staging is not None else None
-            futures[mm_hash] = staged or pool.submit(self._pull, spec, peers.get(mm_hash))
+            peer = peers.get(mm_hash)
+            address = peer.address if peer is not None else None
+            futures[mm_hash] = staged or pool.submit(address, self._pull, spec, peer)
         for mm_hash, future in futures.items():
             tensor = future.result()
             if tensor is None:

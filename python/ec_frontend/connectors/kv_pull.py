@@ -14,7 +14,9 @@ above their transports, and that part lives here:
 * decode (``kv_consumer`` / ``kv_both``): params that describe the request and
   pass the trust checks park it while a worker thread moves the KV; unusable
   params are logged and counted and the prompt is computed locally; a transfer
-  that fails fails the request with a clear error. Params are used once.
+  that fails fails the request with a clear error. Params are used once. An
+  instance with neither a transfer secret nor ``--transfer-peers`` trusts no
+  params: it computes the prompt locally without reading them.
 
 The transport is four methods: :meth:`KVPullConnector.check_params` (more checks
 on decode's side), :meth:`~KVPullConnector.hold_params` (prefill: register a hold,
@@ -23,7 +25,9 @@ request's KV) and :meth:`~KVPullConnector.land` (the engine thread: put what
 ``transfer`` returned into the cache).
 
 Threads: the scheduler and worker halves run on the engine thread; transfers run
-on the connector's pool and a transport's server threads read holds. Everything
+on the connector's pool (:class:`~ec_frontend.connectors.peer_pool.PeerPool`:
+at most ``PULLS_PER_PEER`` of its ``PULL_WORKERS`` threads on one prefill
+instance) and a transport's server threads read holds. Everything
 they share is in :class:`PullState`, under its lock.
 """
 
@@ -33,7 +37,7 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -44,17 +48,21 @@ from ec_frontend.connectors.kv_base import (
     KVLoadResult,
 )
 from ec_frontend.connectors.kv_transfer_params import (
+    HOLD_CLIENT_KEY,
     RemotePrefill,
     parse_remote_prefill,
     prompt_hash,
 )
+from ec_frontend.connectors.peer_pool import PeerPool
 from ec_frontend.connectors.transfer_trust import (
     TOKEN_KEY,
+    UNTRUSTED,
     check_entry,
     loggable,
     new_token,
     signed,
 )
+from ec_frontend.errors import ConfigError
 from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
@@ -65,6 +73,13 @@ if TYPE_CHECKING:
     from ec_frontend.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+#: Transfer threads of one consumer, and how many of them one prefill instance may
+#: hold: a slow peer keeps at most half, so transfers from other peers go on.
+PULL_WORKERS = 8
+PULLS_PER_PEER = 4
+#: Default share of prefill's KV blocks that the holds of one client may keep.
+CLIENT_HOLD_FRACTION = 0.25
 
 
 @dataclass(slots=True)
@@ -105,6 +120,13 @@ class PullState(Generic[HoldT]):
 
     def __init__(self, config: KVTransferConfig, *, ttl_s: float, timeout_s: float) -> None:
         self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.client_hold_fraction = _fraction(
+            config.kv_connector_extra_config.get("max_client_hold_fraction", CLIENT_HOLD_FRACTION)
+        )
+        #: Blocks held per client, and each hold's client and block count.
+        self.client_blocks: dict[str, int] = {}
+        self.hold_clients: dict[str, tuple[str, int]] = {}
+        self.holds_refused = 0
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
@@ -131,6 +153,7 @@ class PullState(Generic[HoldT]):
 
     def free_hold(self, rid: str, *, sent: bool) -> None:
         """Drop ``rid``'s hold (caller holds ``lock``); the scheduler then frees its blocks."""
+        self.unreserve(rid)
         hold = self.holds.pop(rid, None)
         if hold is None:
             return
@@ -138,8 +161,52 @@ class PullState(Generic[HoldT]):
             self.tokens_sent += hold.num_tokens
         self.sent.add(rid)
 
+    def reserve(self, rid: str, client: str, num_blocks: int) -> str | None:
+        """Count ``num_blocks`` against ``client`` for the hold of ``rid``, or say why
+        not: its holds would keep more than its share of the cache's blocks. A client
+        holding nothing may always hold one request (a share smaller than one prompt
+        would end P/D for everyone)."""
+        caches = self.kv_caches
+        total = int(caches[0].shape[1]) if caches else 0
+        bound = max(1, int(total * self.client_hold_fraction))
+        with self.lock:
+            held = self.client_blocks.get(client, 0)
+            if total and held and held + num_blocks > bound:
+                self.holds_refused += 1
+                return (
+                    f"this client's held KV ({held} blocks) plus this request's "
+                    f"({num_blocks}) would pass its bound of {bound} blocks "
+                    f"(max_client_hold_fraction {self.client_hold_fraction:g} of {total}); "
+                    "the KV is not held: decode computes the prompt"
+                )
+            self.client_blocks[client] = held + num_blocks
+            self.hold_clients[rid] = (client, num_blocks)
+        return None
+
+    def unreserve(self, rid: str) -> None:
+        """Give back what :meth:`reserve` counted for ``rid`` (caller holds ``lock``)."""
+        entry = self.hold_clients.pop(rid, None)
+        if entry is None:
+            return
+        client, num_blocks = entry
+        left = self.client_blocks[client] - num_blocks
+        if left > 0:
+            self.client_blocks[client] = left
+        else:
+            del self.client_blocks[client]
+
     def close(self) -> None:
         """Release the transport (default: nothing)."""
+
+
+def _fraction(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+    if not ok:
+        raise ConfigError(
+            "kv_connector_extra_config.max_client_hold_fraction must lie in (0, 1]",
+            "kv_connector_extra_config.max_client_hold_fraction",
+        )
+    return float(value)
 
 
 class KVPullConnector(KVConnectorBase):
@@ -161,7 +228,7 @@ class KVPullConnector(KVConnectorBase):
         self._remote: dict[str, RemotePrefill] = {}
         self._extra: dict[str, Any] = {}
         self._loads: list[Any] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: PeerPool | None = None
         self._recving: set[str] = set()
         self.local_prefill_fallbacks = 0
         self.params_rejected = 0
@@ -206,6 +273,12 @@ class KVPullConnector(KVConnectorBase):
         if not self.is_consumer or params is None or params.get("do_remote_prefill") is not True:
             return 0, False
         request.kv_transfer_params = None
+        if self.config.trust.trusts_nothing:
+            # No issuer is trusted: the params are ignored before they are even read.
+            self.params_rejected += 1
+            self.local_prefill_fallbacks += 1
+            logger.debug("request %s: %s", loggable(request.request_id), UNTRUSTED)
+            return 0, False
         remote = parse_remote_prefill(params, request)
         extra: Any = None
         if not isinstance(remote, str):
@@ -275,9 +348,22 @@ class KVPullConnector(KVConnectorBase):
             or not block_ids
         ):
             return False, None
+        # Named by the API server for every HTTP request; absent only for in-process
+        # callers (the operator's own code), whose holds are not bounded.
+        client = params.get(HOLD_CLIENT_KEY)
+        refused = state.reserve(rid, client, len(block_ids)) if isinstance(client, str) else None
+        if refused is not None:
+            logger.warning(
+                "request %s: KV hold refused for client %s: %s",
+                loggable(rid), loggable(client), refused,
+            )  # fmt: skip
+            return False, {"do_remote_prefill": False, "do_remote_decode": False,
+                           "hold_refused": refused}  # fmt: skip
         token = new_token()
         where = self.hold_params(request, list(block_ids), token)
         if where is None:
+            with state.lock:
+                state.unreserve(rid)
             return False, None
         # Only an M-RoPE prompt has a non-zero delta; decode reads an absent key as 0.
         delta = request.mrope_position_delta
@@ -304,9 +390,10 @@ class KVPullConnector(KVConnectorBase):
         state.bind_caches(kv_caches)
         for load in getattr(self._metadata, "loads", ()):
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=self.thread_name)
+                self._pool = PeerPool(PULL_WORKERS, PULLS_PER_PEER, self.thread_name)
             load.started = time.monotonic()
-            future = self._pool.submit(self.transfer, load, kv_caches)
+            peer = (load.remote.host, load.remote.port)
+            future = self._pool.submit(peer, self.transfer, load, kv_caches)
             with state.lock:
                 state.inflight[load.request_id] = (future, load)
 
@@ -330,6 +417,7 @@ class KVPullConnector(KVConnectorBase):
                     state.cancelled.discard(rid)
                     continue
             if not future.done():
+                future.cancel()  # still waiting for a thread: it never starts
                 error: BaseException | None = TimeoutError(f"no answer in {state.timeout_s:g}s")
             else:
                 error = future.exception()
@@ -372,6 +460,11 @@ class KVPullConnector(KVConnectorBase):
     def num_tokens_sent(self) -> int:
         with self.state.lock:
             return self.state.tokens_sent
+
+    @property
+    def num_holds_refused(self) -> int:
+        with self.state.lock:
+            return self.state.holds_refused
 
     @property
     def num_requests_held(self) -> int:

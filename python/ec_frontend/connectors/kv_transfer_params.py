@@ -22,6 +22,24 @@ if TYPE_CHECKING:
     from ec_frontend.engine.request import Request
 
 
+#: The key under which the API server names the client of a ``do_remote_decode``
+#: request (its address), overwriting whatever the client wrote there: prefill bounds
+#: the KV each client holds (:class:`~ec_frontend.connectors.kv_pull.PullState`).
+HOLD_CLIENT_KEY = "hold_client"
+
+
+def stamp_hold_client(params: JSONObject | None, client: str) -> JSONObject | None:
+    """``params`` with ``client`` under :data:`HOLD_CLIENT_KEY` when they ask prefill to
+    hold KV (``do_remote_decode``), with that key removed otherwise."""
+    if not isinstance(params, dict):
+        return params
+    if params.get("do_remote_decode") is True:
+        return {**params, HOLD_CLIENT_KEY: client}
+    if HOLD_CLIENT_KEY in params:
+        return {k: v for k, v in params.items() if k != HOLD_CLIENT_KEY}
+    return params
+
+
 def prompt_hash(token_ids: list[int]) -> str:
     """A short digest of a prompt's token ids: decode checks it is continuing the same prompt."""
     digest = hashlib.blake2b(digest_size=16)

@@ -15,8 +15,8 @@ hands out NIXL's keys plus what decode needs to read them one-sided::
 
 Decode (``kv_consumer`` / ``kv_both``) validates them exactly as for the side
 channel (the same prompt, positions and trust checks: signed params with a
-secret, loopback or ``--transfer-peers`` peers), allocates blocks for the whole
-prompt, and a worker thread reads prefill's blocks straight into its own
+secret, ``--transfer-peers`` peers; with neither, none), allocates blocks for
+the whole prompt, and a worker thread reads prefill's blocks straight into its own
 registered blocks: one batched Transfer Engine read per request (K and V of
 every layer, runs of adjacent blocks merged), no Python bytes and no host copy
 in between. It then writes the first 8 bytes of the hold's ``token`` into

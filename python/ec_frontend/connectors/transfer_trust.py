@@ -18,10 +18,11 @@ the producer asks for before it sends or releases anything: knowing an
 data, with or without a secret.
 
 :func:`check_entry` is the one gate a consumer calls before it opens a
-connection: the peer must pass the allowlist (``TransferTrust.allowlist``:
-loopback only when there is neither a secret nor ``--transfer-peers``), and
-with a secret the signature must be valid, unexpired and unused. Host names
-are compared as written and never resolved.
+connection: the peer must be one the operator named (``--transfer-peers``,
+when given), and with a secret the signature must be valid, unexpired and
+unused. With neither a secret nor named peers nothing passes: params are
+ignored whatever they name, before any connection (:data:`UNTRUSTED`). Host
+names are compared as written and never resolved.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ MAX_LIFETIME_S = 3600
 CLOCK_SKEW_S = 5
 _SIGNATURE = re.compile(r"v1\.([0-9]{1,12})\.([0-9a-f]{32})\.([0-9a-f]{64})")
 _TOKEN = re.compile(r"[0-9a-f]{32}")
+#: Why params are ignored by an instance that trusts no issuer (the same for every peer).
+UNTRUSTED = "no transfer secret and no --transfer-peers: transfer params are not trusted"
 
 
 def new_token() -> str:
@@ -152,6 +155,8 @@ def check_signature(
 
 def check_peer(trust: TransferTrust, host: str, port: int) -> str | None:
     """Why ``host:port`` must not be contacted (``None``: it may)."""
+    if trust.trusts_nothing:
+        return UNTRUSTED
     rules = trust.allowlist
     if rules is None:
         return None

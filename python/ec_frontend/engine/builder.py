@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ec_frontend.config import (
     BLOCK_SIZES,
+    TRANSFER_SECRET_ENV,
     CacheConfig,
     ECTransferConfig,
     EngineConfig,
@@ -186,6 +187,23 @@ def _scheduler_args(opts: EngineArgs, max_len: int) -> dict[str, Any]:
     return sched
 
 
+def _warn_untrusted(
+    ec: ECTransferConfig | None, kv: KVTransferConfig | None, trust: TransferTrust
+) -> None:
+    """Say once, at start, that a consumer with no trusted issuer ignores transfer params."""
+    consumes = [c for c, on in (("EC", ec and ec.is_consumer), ("KV", kv and kv.is_consumer)) if on]
+    if consumes and trust.trusts_nothing:
+        log.warning(
+            "%s consumer with no transfer secret and no --transfer-peers: transfer params "
+            "in requests will be ignored (items encoded and prompts prefilled here). To act "
+            "on them, give every instance and the proxy the same secret "
+            "(--transfer-secret-file PATH or $%s), or name the producers with "
+            "--transfer-peers HOST[:PORTS]",
+            " and ".join(consumes),
+            TRANSFER_SECRET_ENV,
+        )
+
+
 def engine_config(opts: EngineArgs) -> tuple[EngineConfig, str]:
     """The engine config and the checkpoint directory for ``opts``."""
     trust = TransferTrust.from_options(
@@ -194,6 +212,7 @@ def engine_config(opts: EngineArgs) -> tuple[EngineConfig, str]:
     ec_json, kv_json = opts.ec_transfer_config, opts.kv_transfer_config
     ec = ECTransferConfig.from_json(ec_json, trust) if ec_json else None
     kv = KVTransferConfig.from_json(kv_json, trust) if kv_json else None
+    _warn_untrusted(ec, kv, trust)
     from ec_frontend.model.builtin import BUILTIN_MODEL_ID, BUILTIN_NAME, ensure_builtin_checkpoint
     from ec_frontend.model.loader import load_config, resolve_model_path
 

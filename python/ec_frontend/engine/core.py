@@ -349,6 +349,7 @@ def _connector_stats(kv: KVConnectorBase | None, ec: ECConnectorBase | None) -> 
         "kv_local_prefill_fallbacks_total": int(getattr(kv, "local_prefill_fallbacks", 0)),
         "transfer_params_rejected_total": int(getattr(kv, "params_rejected", 0))
         + int(getattr(ec, "params_rejected", 0)),
+        "kv_holds_refused_total": int(getattr(kv, "num_holds_refused", 0)),
         "kv_requests_held": int(getattr(kv, "num_requests_held", 0)),
         "ec_items_held": (
             int(ec.num_items_held()) if ec is not None and hasattr(ec, "num_items_held") else 0

@@ -50,6 +50,7 @@ class EngineStats:
     kv_tokens_sent_total: int = 0
     kv_local_prefill_fallbacks_total: int = 0
     transfer_params_rejected_total: int = 0
+    kv_holds_refused_total: int = 0
     # gauges
     num_requests_running: int = 0
     num_requests_waiting: int = 0

@@ -304,7 +304,7 @@ class App:
 
     async def chat(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "chat")
-        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id, _client(request))
         ids = f"chatcmpl-{ctx.request_id}"
         if parsed.stream:
             return self.sse(chat_stream(self.serving, ctx, parsed, jobs, ids), jobs)
@@ -314,7 +314,7 @@ class App:
 
     async def completions(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "completions")
-        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id, _client(request))
         ids = f"cmpl-{ctx.request_id}"
         if parsed.stream:
             return self.sse(completion_stream(self.serving, ctx, parsed, jobs, ids), jobs)
@@ -326,7 +326,7 @@ class App:
 
     async def responses(self, request: Request) -> Response:
         ctx, parsed, _ = await self.parse(request, "responses")
-        jobs = await self.serving.make_jobs(parsed, ctx.request_id)
+        jobs = await self.serving.make_jobs(parsed, ctx.request_id, _client(request))
         resp_id = f"resp_{ctx.request_id}"
         if parsed.stream:
             return self.sse(response_stream(self.serving, ctx, parsed, jobs, resp_id), jobs)
@@ -360,7 +360,7 @@ class App:
                 code="invalid_value",
             )
         rid = parsed.request_id or ctx.request_id
-        jobs = await self.serving.make_jobs(parsed, rid)
+        jobs = await self.serving.make_jobs(parsed, rid, _client(request))
         if parsed.stream:
             return self.sse(generate_stream(self.serving, ctx, parsed, jobs, rid), jobs)
         choices = await self.until_disconnect(request, self.serving.collect(jobs, ctx.started))
@@ -392,6 +392,13 @@ class App:
         return Response(
             render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+
+def _client(request: Request) -> str:
+    """Who is asking, as far as this server can tell: the peer's address (one API key
+    is one principal, so the key tells callers apart no better)."""
+    peer = request.client
+    return peer.host if peer is not None and peer.host else "unknown"
 
 
 async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
 from ec_frontend.connectors.ec_item_params import ec_items_problem
+from ec_frontend.connectors.kv_transfer_params import stamp_hold_client
 from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.entrypoints.openai.jobs import Choice, Job, Timing, new_id
 from ec_frontend.entrypoints.openai.limits import (
@@ -316,17 +317,20 @@ class Serving:
             structured = {**structured, "endpoint": "responses"}
         return await self.run_processing(self.structured.compile, structured, auto_tools=auto)
 
-    async def make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
-        """Process inputs and build one :class:`Job` per engine request."""
+    async def make_jobs(
+        self, parsed: ParsedRequest, base_id: str, client: str = "unknown"
+    ) -> list[Job]:
+        """Process inputs and build one :class:`Job` per engine request. ``client`` (the
+        caller's address) names who holds the KV of a ``do_remote_decode`` request."""
         self._check_media(parsed)
         reserved = self.reserve(parsed)
         try:
-            return await self._make_jobs(parsed, base_id)
+            return await self._make_jobs(parsed, base_id, client)
         finally:
             # The jobs' ids are in ``_active`` now (no await since), or there are none.
             self.unreserve(reserved)
 
-    async def _make_jobs(self, parsed: ParsedRequest, base_id: str) -> list[Job]:
+    async def _make_jobs(self, parsed: ParsedRequest, base_id: str, client: str) -> list[Job]:
         processor = self.engine.processor
         endpoint = parsed.endpoint
         media = await self.resolve_media(parsed)
@@ -354,6 +358,11 @@ class Serving:
         if parsed.truncate_prompt_tokens is not None:
             prompts = [await self._truncate(parsed, *prompt) for prompt in prompts]
         sampling = parsed.sampling
+        extra = sampling.get("extra_args")
+        if isinstance(extra, dict) and "kv_transfer_params" in extra:
+            # The hold's client is the server's word, never the body's.
+            kv = stamp_hold_client(extra["kv_transfer_params"], client)
+            sampling["extra_args"] = {**extra, "kv_transfer_params": kv}
         bad_words = self._bad_words(sampling.get("bad_words"))
         n = parsed.n
         for inputs, param, _ in prompts:

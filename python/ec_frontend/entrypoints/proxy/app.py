@@ -18,7 +18,9 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    ``image_grid_thw``: no image bytes, no decoding, no preprocessing there;
 2. with prefill instances: the request goes to one with ``max_tokens: 1``,
    ``kv_transfer_params: {"do_remote_decode": true}`` and the ec params, not
-   streamed; its ``kv_transfer_params`` are what decode needs;
+   streamed; its ``kv_transfer_params`` are what decode needs (when prefill
+   refused to hold the KV, ``hold_refused``, decode computes the prompt and
+   the response carries ``X-KV-Fallback: local-prefill``);
 3. the request goes to a decode instance with prefill's ``kv_transfer_params``
    (or, with no prefill stage, the ec params) and decode's answer, streamed or
    not, is passed back unchanged.
@@ -67,7 +69,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature
+from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature, loggable
 from ec_frontend.entrypoints.http.errors import error_body
 from ec_frontend.entrypoints.proxy.front import RoleHealth, http_error
 from ec_frontend.entrypoints.proxy.metrics import ProxyMetrics
@@ -80,6 +82,8 @@ ROUTES: dict[str, str] = {
     "/inference/v1/generate": "generate",
 }
 FALLBACK_HEADER = "x-ec-fallback"
+#: Set to ``local-prefill`` when prefill refused to hold the KV (its client bound).
+KV_FALLBACK_HEADER = "x-kv-fallback"
 #: The error code of an instance that could not load an item the request only
 #: references (``entrypoints/http/errors.py``): the proxy then sends the image itself.
 REFERENCE_FAILED = "ec_item_unavailable"
@@ -565,24 +569,16 @@ class Proxy:
                 )
             self.metrics.prefill_seconds.observe(time.perf_counter() - started)
             kv = data.get("kv_transfer_params")
-            if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
-                raise UpstreamError(
-                    502,
-                    error_body(502, f"{url} returned no usable kv_transfer_params", None, "no_kv"),
-                )
-            secret = self.config.transfer_secret
-            rid = kv.get("remote_request_id")
-            reason = None
-            if secret is not None:
-                key = rid if isinstance(rid, str) else ""
-                reason = check_signature(secret, "kv", key, kv, consume=False)
-            if reason is not None:
-                message = f"{url} returned kv_transfer_params that fail verification: {reason}"
-                raise UpstreamError(502, error_body(502, message, None, "untrusted_kv"))
+            refused = kv.get("hold_refused") if isinstance(kv, dict) else None
+            if isinstance(refused, str):
+                # Prefill's bound on the KV this proxy holds there: decode prefills.
+                log.warning("%s held no KV: %s", url, loggable(refused, 300))
+                out_headers[KV_FALLBACK_HEADER] = "local-prefill"
+            else:
+                decode_body["kv_transfer_params"] = self._checked_kv(url, kv)
+                decode_body.pop("ec_transfer_params", None)
+                retry_inline = None
             self.metrics.prefills.inc()
-            decode_body["kv_transfer_params"] = kv
-            decode_body.pop("ec_transfer_params", None)
-            retry_inline = None
         url = self._pick("decode", self.config.decode_urls) + path
         response = await self._forward(url, decode_body, headers, out_headers, retry_inline)
         if response is None:
@@ -591,6 +587,24 @@ class Proxy:
             response = await self._forward(url, retry_inline, headers, out_headers)
         assert response is not None
         return response
+
+    def _checked_kv(self, url: str, kv: Any) -> dict[str, Any]:
+        """Prefill's ``kv_transfer_params`` for decode; 502 when there are none or (with a
+        secret) they do not verify."""
+        if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
+            raise UpstreamError(
+                502,
+                error_body(502, f"{url} returned no usable kv_transfer_params", None, "no_kv"),
+            )
+        secret = self.config.transfer_secret
+        if secret is not None:
+            rid = kv.get("remote_request_id")
+            key = rid if isinstance(rid, str) else ""
+            reason = check_signature(secret, "kv", key, kv, consume=False)
+            if reason is not None:
+                message = f"{url} returned kv_transfer_params that fail verification: {reason}"
+                raise UpstreamError(502, error_body(502, message, None, "untrusted_kv"))
+        return kv
 
     def _note_reference_retry(self, url: str, out_headers: dict[str, str]) -> None:
         log.warning("%s could not load an encoded item; sending the images inline", url)

@@ -44,7 +44,8 @@ def add_transfer_trust_args(p: argparse.ArgumentParser, *, peers: bool = True) -
             default=None,
             metavar="LIST",
             help="comma-separated HOST[:PORT[-PORT]] or CIDR[:PORTS] a consumer may pull from "
-            "(default: any signed peer with a secret, loopback only without one)",
+            "(default: any signed peer with a secret; with neither a secret nor this list, "
+            "transfer params are ignored)",
         )
 
 
