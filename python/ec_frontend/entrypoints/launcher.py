@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from ec_frontend.engine.core_proc import EngineProcess
 from ec_frontend.entrypoints.http.protocol import HttpLimits, connection_cap, uvicorn_http_settings
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
@@ -85,6 +86,10 @@ class ServeOptions:
     public_docs: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: Structured outputs' budget: seconds to validate (server) or build (engine) one
+    #: grammar, and bytes of one compiled grammar.
+    structured_outputs_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    structured_outputs_max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     #: API server (frontend) processes sharing the listening socket
     #: (``entrypoints/api_servers.py``); 1 serves from this process.
     api_server_count: int = 1
@@ -236,6 +241,8 @@ def serve(
         public_docs=opts.public_docs,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         tool_call_parser=opts.tool_call_parser,
+        grammar_compile_timeout_s=opts.structured_outputs_compile_timeout,
+        grammar_max_bytes=opts.structured_outputs_max_grammar_bytes,
         media=opts.media,
     )
     app, core = build_app(engine, config)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from ec_frontend.connectors.ec_item_params import ec_items_problem
 from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.entrypoints.openai.jobs import Choice, Job, Timing, new_id
@@ -67,6 +68,9 @@ class ServingConfig:
     #: the output with ``tool_call_parser``.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: A request's grammar: seconds to validate it, bytes it may have.
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     #: Enters the content key of a fetched media item (as the parser's ``model_id``).
     model_id: str = ""
 
@@ -94,7 +98,12 @@ class Serving:
         #: Engine-request slots reserved by requests being prepared (:meth:`reserve`).
         self._reserved = 0
         self._background: set[asyncio.Task[None]] = set()
-        self.structured = StructuredCompiler(engine, config.vocab_size)
+        self.structured = StructuredCompiler(
+            engine,
+            config.vocab_size,
+            max_bytes=config.grammar_max_bytes,
+            compile_timeout_s=config.grammar_compile_timeout_s,
+        )
         limits = config.limits
         #: The bounded pool for client-sized work: input processing (unless
         #: ``offload_processing`` is off, the mock engine's cheap inputs) and the utility
