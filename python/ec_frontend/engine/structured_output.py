@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -145,7 +145,9 @@ class CompiledGrammar:
 
     kind: str
     grammar: str
-    tokenizer: LLTokenizer
+    #: The tokenizer, or a function that loads it (called by the first build, on a
+    #: compile thread: the engine process loads its tokenizer on first use).
+    source: LLTokenizer | Callable[[], LLTokenizer] = field(repr=False)
     _template: LLMatcher | None = field(default=None, repr=False)
     _error: str | None = field(default=None, repr=False)
     _future: Future[None] | None = field(default=None, repr=False)
@@ -154,6 +156,21 @@ class CompiledGrammar:
 
     def new_state(self) -> GrammarState:
         return GrammarState(self)
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        source = self.source
+        if isinstance(source, LLTokenizer):
+            return source
+        tokenizer = source()
+        self.source = tokenizer
+        return tokenizer
+
+    @property
+    def eos_tokens(self) -> Sequence[int]:
+        """The tokenizer's end-of-sequence ids (none before it is loaded)."""
+        source = self.source
+        return source.eos_tokens if isinstance(source, LLTokenizer) else ()
 
     @property
     def ready(self) -> bool:
@@ -187,7 +204,13 @@ class CompiledGrammar:
         releases the GIL). A refused grammar sets :attr:`error` instead."""
         if self._template is not None or self._error is not None:
             return
-        matcher = LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=parser_limits())
+        try:
+            tokenizer = self.tokenizer
+        except (OSError, ValueError, RuntimeError) as exc:
+            with self._lock:
+                self._error = bounded(f"no tokenizer to constrain the output: {exc}")
+            return
+        matcher = LLMatcher(tokenizer, self.grammar, log_level=0, limits=parser_limits())
         if not matcher.is_error():
             matcher.compute_bitmask()
         error = bounded(matcher.get_error()) if matcher.is_error() else None
@@ -490,7 +513,7 @@ def _prepare(
             continue
         state.sync(outputs[i])
         if state.failed:
-            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+            _only(mask[i], state.grammar.eos_tokens)
         else:
             job.work.append((state.matcher, i))
     return job
@@ -504,7 +527,7 @@ def _compute(executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Ten
     for state, i, output in job.fresh:
         state.sync(output)
         if state.failed:
-            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+            _only(mask[i], state.grammar.eos_tokens)
         else:
             work.append((state.matcher, i))
     if not work:
@@ -525,7 +548,7 @@ def _compute(executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Ten
         if not row_state.failed and not words[i].any():
             row_state.fail("the grammar allows no token")
         if row_state.failed:
-            _only(mask[i], row_state.grammar.tokenizer.eos_tokens)
+            _only(mask[i], row_state.grammar.eos_tokens)
     return mask
 
 

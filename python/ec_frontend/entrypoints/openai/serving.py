@@ -104,6 +104,11 @@ class Serving:
             max_bytes=config.grammar_max_bytes,
             compile_timeout_s=config.grammar_compile_timeout_s,
         )
+        if config.offload_processing:
+            # A model-backed server: the grammar library and its view of the
+            # vocabulary are loaded now, not by the first constrained request (seconds
+            # of imports and Python that would hold up every stream's chunks).
+            self.structured.prepare()
         limits = config.limits
         #: The bounded pool for client-sized work: input processing (unless
         #: ``offload_processing`` is off, the mock engine's cheap inputs) and the utility

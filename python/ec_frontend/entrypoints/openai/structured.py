@@ -15,6 +15,7 @@ constraint is compiled by the engine's library on the input-processing threads
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,11 @@ class StructuredCompiler:
             if self._compiler is None:
                 self._compiler = self._build(param)
             return self._compiler
+
+    def prepare(self) -> None:
+        """Build the compiler now, if this server has a tokenizer."""
+        with contextlib.suppress(APIError):
+            self.compiler("structured_outputs")
 
     def _build(self, param: str) -> GrammarCompiler:
         # Imported on first use: a server that never constrains (--mock-engine) does
