@@ -74,9 +74,9 @@ ERROR_CHARS = 300
 
 
 def bounded(text: str, limit: int = ERROR_CHARS) -> str:
-    """``text`` on one line, cut to ``limit`` characters (a library error may quote
-    the grammar, megabytes of it)."""
-    line = " ".join(text.split())
+    """``text`` on one line, without a Rust backtrace, cut to ``limit`` characters
+    (a library error may quote the grammar, megabytes of it)."""
+    line = " ".join(text.split("<backtrace>", 1)[0].split())
     if len(line) <= limit:
         return line
     return f"{line[:limit]}... ({len(line)} characters)"
