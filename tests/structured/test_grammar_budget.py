@@ -70,6 +70,17 @@ def client(server: Proc) -> Iterator[openai.OpenAI]:
         yield c
 
 
+def _choose(client: openai.OpenAI, choices: list[str], *, stream: bool = False) -> Any:
+    """A chat completion constrained to ``choices``."""
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        stream=stream,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+
+
 def test_a_stream_keeps_flowing_while_a_huge_grammar_builds(client: openai.OpenAI) -> None:
     arrivals: list[float] = []
     started = threading.Event()
@@ -95,22 +106,11 @@ def test_a_stream_keeps_flowing_while_a_huge_grammar_builds(client: openai.OpenA
     assert started.wait(60)
     sent = time.monotonic()
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=8,
-            extra_body={"structured_outputs": {"choice": HUGE}},
-        )
+        _choose(client, HUGE)
     answered = time.monotonic()
     # The same grammar, streamed: it waits for the same build, then an error event.
     with pytest.raises(openai.APIError) as streamed:
-        for _ in client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=8,
-            stream=True,
-            extra_body={"structured_outputs": {"choice": HUGE}},
-        ):
+        for _ in _choose(client, HUGE, stream=True):
             pass
     thread.join()
 
@@ -138,12 +138,7 @@ def test_a_grammar_over_the_byte_budget_is_a_400_naming_its_field(
 ) -> None:
     choices = [f"choice-{i:06d}-abc" for i in range(110_000)]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=8,
-            extra_body={"structured_outputs": {"choice": choices}},
-        )
+        _choose(client, choices)
     body = info.value.body
     assert isinstance(body, dict)
     assert body["param"] == "structured_outputs.choice"
@@ -164,12 +159,7 @@ def test_a_grammar_over_the_byte_budget_is_a_400_naming_its_field(
     assert isinstance(body, dict)
     assert body["param"] == "response_format.json_schema.schema"
     # The server goes on serving constrained requests.
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=8,
-        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
-    )
+    r = _choose(client, ["yes", "no"])
     assert r.choices[0].message.content in ("yes", "no")
 
 
