@@ -297,6 +297,15 @@ def _positive(value: int, param: str) -> None:
         raise ConfigError(f"{param} must be a positive integer", param)
 
 
+#: Seconds to validate or build one structured-output grammar
+#: (``--structured-outputs-compile-timeout``).
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+#: Bytes of one compiled structured-output grammar
+#: (``--structured-outputs-max-grammar-bytes``): 1 MiB, about 45,000 short choices,
+#: whose matcher builds in about 3 s.
+DEFAULT_MAX_GRAMMAR_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits of one engine step.
@@ -311,8 +320,16 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     encoder_compute_budget: int | None = None
+    #: Seconds a constrained request waits aside for its grammar's build before it
+    #: fails (``--structured-outputs-compile-timeout``).
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(
+                f"grammar_compile_timeout_s must be > 0, not {self.grammar_compile_timeout_s}",
+                "grammar_compile_timeout_s",
+            )
         _positive(self.max_num_seqs, "max_num_seqs")
         _positive(self.max_num_batched_tokens, "max_num_batched_tokens")
         _positive(self.max_model_len, "max_model_len")

@@ -5,7 +5,9 @@
 * :class:`StartupError`: the server or its engine cannot start as configured (an
   unloadable model, an engine process that died while starting).
 
-Errors a client causes are the HTTP layer's (``entrypoints/http/errors.py``).
+Errors a client causes are the HTTP layer's (``entrypoints/http/errors.py``); the
+engine marks the one kind it reports by message, a constrained request's grammar
+that could not be built or followed, with :data:`GRAMMAR_FAILURE_PREFIX`.
 """
 
 from __future__ import annotations
@@ -24,4 +26,9 @@ class StartupError(RuntimeError):
     """The server or its engine cannot start as configured; the message is one line."""
 
 
-__all__ = ["ConfigError", "StartupError"]
+#: How every engine-side failure of a constrained request's grammar begins (the
+#: server answers it as the client's error: 400 ``grammar_error``).
+GRAMMAR_FAILURE_PREFIX = "structured output: "
+
+
+__all__ = ["GRAMMAR_FAILURE_PREFIX", "ConfigError", "StartupError"]

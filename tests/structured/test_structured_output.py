@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 from concurrent.futures import Future
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -21,21 +20,10 @@ from ec_frontend.engine.structured_output import (
     fill_bitmask,
     unpack_bitmask,
 )
-from transformers import AutoTokenizer
 
 from .schemas import random_schema
 
 VOCAB = 576  # the built-in model's logits (its tokenizer has fewer tokens)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(builtin_model_dir: Path):
-    return AutoTokenizer.from_pretrained(builtin_model_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,8 @@ class EngineArgs(Protocol):
     @property
     def max_num_batched_tokens(self) -> int | None: ...
     @property
+    def structured_outputs_compile_timeout(self) -> float: ...
+    @property
     def gpu_memory_utilization(self) -> float: ...
     @property
     def kv_cache_memory(self) -> int | None: ...
@@ -178,6 +180,10 @@ def cache_config(opts: EngineArgs, encoder_rows: int) -> CacheConfig:
 
 def _scheduler_args(opts: EngineArgs, max_len: int) -> dict[str, Any]:
     sched: dict[str, Any] = {"max_model_len": max_len}
+    timeout = opts.structured_outputs_compile_timeout
+    if not timeout > 0:
+        raise _flag_error("structured-outputs-compile-timeout", "must be > 0", timeout)
+    sched["grammar_compile_timeout_s"] = timeout
     if opts.max_num_seqs is not None:
         sched["max_num_seqs"] = opts.max_num_seqs
     if opts.max_num_batched_tokens is not None:

@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -328,6 +329,7 @@ class _Served:
     processor_loader: Callable[[], InputProcessor] | None = None
     _grammar_tokenizer: LLTokenizer | None = None
     _grammars: dict[tuple[str, str], CompiledGrammar] = field(default_factory=dict)
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def build(cls, spec: EngineSpec) -> _Served:
@@ -349,30 +351,45 @@ class _Served:
         if device == "cpu" and spec.cpu_threads is not None:
             torch.set_num_threads(spec.cpu_threads)
         core, loader = build_core(config)
-        return cls(core, spec, loader)
+        served = cls(core, spec, loader)
+        if not core.encoder_only:
+            # The library's view of the vocabulary is built by Python code that holds
+            # the GIL (seconds for a large vocabulary): here, before the engine is
+            # ready, rather than beside the steps of running requests.
+            served.grammar_tokenizer()
+        return served
 
     def grammar(self, kind: str, text: str) -> CompiledGrammar:
-        """The engine's compiled grammar for a frontend-validated one (cached)."""
+        """The engine's compiled grammar for a frontend-validated one (cached). Nothing
+        is built here, on the step loop: the grammar's matcher, and the tokenizer the
+        first time, are built on a compile thread while the request waits aside."""
         key = (kind, text)
         hit = self._grammars.get(key)
         if hit is not None:
             return hit
-        from ec_frontend.engine.structured_output import CompiledGrammar, GrammarCompiler
+        from ec_frontend.engine.structured_output import CompiledGrammar
 
-        if self._grammar_tokenizer is None:
-            if self.processor_loader is None:
-                raise ValueError("this engine has no tokenizer to constrain the output")
-            processor = self.processor_loader()
-            eos = self.core.eos_token_id
-            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-            self._grammar_tokenizer = GrammarCompiler(
-                processor.tokenizer, processor.vocab_size, eos_ids
-            ).tokenizer
-        compiled = CompiledGrammar(kind, text, self._grammar_tokenizer)
+        compiled = CompiledGrammar(kind, text, self.grammar_tokenizer)
         if len(self._grammars) >= 256:
             self._grammars.pop(next(iter(self._grammars)))
         self._grammars[key] = compiled
         return compiled
+
+    def grammar_tokenizer(self) -> LLTokenizer:
+        """The tokenizer grammars run over, loaded once (on a compile thread)."""
+        with self._tokenizer_lock:
+            if self._grammar_tokenizer is None:
+                from ec_frontend.engine.structured_output import GrammarCompiler
+
+                if self.processor_loader is None:
+                    raise ValueError("this engine has no tokenizer to constrain the output")
+                processor = self.processor_loader()
+                eos = self.core.eos_token_id
+                eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+                self._grammar_tokenizer = GrammarCompiler(
+                    processor.tokenizer, processor.vocab_size, eos_ids
+                ).tokenizer
+            return self._grammar_tokenizer
 
 
 class EngineServer:

@@ -28,6 +28,7 @@ forward. Neither stops the engine.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,7 @@ from ec_frontend.engine.model_inputs import InputBatch, ModelInputs, StepRequest
 from ec_frontend.engine.outputs import ModelRunnerOutput
 from ec_frontend.engine.sampler import PenaltyState, Sampler, SamplingRow, make_generator
 from ec_frontend.engine.stats import RunnerCounters
-from ec_frontend.engine.structured_output import BitmaskFiller
+from ec_frontend.engine.structured_output import BitmaskFiller, grammar_violations
 from ec_frontend.model.interface import VisionLanguageModel
 
 if TYPE_CHECKING:
@@ -391,8 +392,17 @@ class ModelRunner:
         rows_idx = torch.tensor([query_start[i + 1] - 1 for i in sampling], device=model.device)
         logits = model.compute_logits(hidden[rows_idx])
         tokens, logprobs = self.sampler(logits, rows, bitmask, logits_writable=True)
-        for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
+        # A constrained row whose matcher failed, or whose token the grammar does not
+        # allow, ends its request with an error and without the token.
+        violations: dict[int, str] = {}
+        if bitmask is not None:
+            mask = bitmask.result() if isinstance(bitmask, Future) else bitmask
+            violations = grammar_violations([r.grammar for r in rows], mask, tokens)
+        for j, (i, token, lp) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
             rid = batch[i].request_id
+            if j in violations:
+                out.failed[rid] = violations[j]
+                continue
             self._record_sampled(states[i], token)
             out.sampled_token_ids[rid] = [token]
             if lp is not None:

@@ -7,7 +7,10 @@ budget and ``max_num_seqs``. Every request is "``num_computed_tokens`` of
 in this order (DESIGN 3): a hit in the encoder cache, else a load through the
 EC connector, else a local encode. When the KV cache is full the
 lowest-priority running request is preempted (its KV freed, recomputed later);
-nothing crashes.
+nothing crashes. A constrained request whose grammar is still being built (on a
+compile thread, see ``structured_output``) waits aside, outside the queue, and
+fails once the build fails or outlasts ``grammar_compile_timeout_s``: no step
+waits for a grammar.
 
 The scheduler does bookkeeping only: ids, counts, block ids, hashes.
 """
@@ -15,6 +18,7 @@ The scheduler does bookkeeping only: ids, counts, block ids, hashes.
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +27,7 @@ from ec_frontend.engine.encoder_planner import EncoderInputPlanner, EncoderPlan
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from ec_frontend.engine.request import Request, RequestStatus
 from ec_frontend.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from ec_frontend.errors import GRAMMAR_FAILURE_PREFIX
 from ec_frontend.types import JSONObject
 
 if TYPE_CHECKING:
@@ -78,6 +83,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._remote_kv: dict[str, tuple[Request, int]] = {}
         self._ec_fetching: list[Request] = []
+        self._grammar_building: list[Request] = []
         self._kv_delayed: dict[str, Request] = {}
         self._ec_delayed: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
@@ -99,6 +105,12 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        grammar = request.grammar
+        if grammar is not None and not grammar.grammar.ready:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            grammar.start()
+            self._grammar_building.append(request)
+            return
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -126,6 +138,7 @@ class Scheduler:
             self._remote_kv.pop(rid, None)
             if request in self._ec_fetching:
                 self._ec_fetching.remove(request)
+            self._stop_building(request)
             request.status = status
             request.stop_reason = stop_reason
             request.error = error
@@ -188,6 +201,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.running:
             self.running.remove(request)
+        self._stop_building(request)
         request.status = RequestStatus.FINISHED_ERROR
         request.error = message
         self._pending_outputs.append(self._final_output(request, []))
@@ -203,6 +217,8 @@ class Scheduler:
         self._step_keyed.clear()
         self._step_keyed_by.clear()
         self._step_readers.clear()
+        if self._grammar_building:
+            self._check_grammars()
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -553,6 +569,35 @@ class Scheduler:
         )
         return True
 
+    # ---- grammars being built -----------------------------------------------
+
+    def _check_grammars(self) -> None:
+        """Queue the requests whose grammar is built; fail those whose build failed or
+        outlasted ``grammar_compile_timeout_s``."""
+        timeout = self.config.grammar_compile_timeout_s
+        now = time.monotonic()
+        for request in list(self._grammar_building):
+            state = request.grammar
+            if state is None or state.grammar.ready:
+                self._grammar_building.remove(request)
+                request.status = RequestStatus.WAITING
+                self.waiting.append(request)
+            elif state.grammar.error is not None:
+                refused = state.grammar.error
+                self._fail(request, f"{GRAMMAR_FAILURE_PREFIX}the grammar was refused: {refused}")
+            elif state.since is not None and now - state.since > timeout:
+                self._fail(
+                    request,
+                    f"{GRAMMAR_FAILURE_PREFIX}the grammar took longer than this server's limit of "
+                    f"{timeout:g} s to build (--structured-outputs-compile-timeout)",
+                )
+
+    def _stop_building(self, request: Request) -> None:
+        if request in self._grammar_building:
+            self._grammar_building.remove(request)
+            if request.grammar is not None:
+                request.grammar.release()
+
     # ---- introspection ------------------------------------------------------
 
     def _ec_still_fetching(self, request: Request) -> bool:
@@ -577,6 +622,7 @@ class Scheduler:
             or self.running
             or self._remote_kv
             or self._ec_fetching
+            or self._grammar_building
             or self._pending_outputs
         )
 
@@ -592,4 +638,9 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._remote_kv) + len(self._ec_fetching)
+        return (
+            len(self.waiting)
+            + len(self._remote_kv)
+            + len(self._ec_fetching)
+            + len(self._grammar_building)
+        )

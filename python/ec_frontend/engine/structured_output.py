@@ -6,8 +6,16 @@ The library is llguidance (``docs/structured_outputs.md`` says why). The pieces:
 * :class:`GrammarCompiler` turns a constraint (a JSON schema, ``json_object``, a
   regex, a list of choices, a Lark or GBNF grammar, a structural tag) into a validated
   :class:`CompiledGrammar`, cached by the spec's canonical JSON. The server calls it
-  on its input-processing threads, never on the engine's step loop; an invalid
-  spec raises :class:`StructuredOutputError` naming the request parameter.
+  on its input-processing threads, never on the engine's step loop, within a
+  :class:`GrammarBudget` (grammar bytes, validation seconds); an invalid spec, or
+  one over the budget, raises :class:`StructuredOutputError` naming the request
+  parameter.
+* :meth:`CompiledGrammar.start` builds the grammar's matcher (the library's parser
+  and lexer over the whole vocabulary, and its first mask: seconds for a large
+  grammar) on a compile thread (:func:`compile_pool`; the library releases the GIL
+  while it builds). The scheduler keeps a request aside until its grammar is built
+  (:attr:`CompiledGrammar.ready`), failed (:attr:`CompiledGrammar.error`) or out of
+  time, so that no step waits for a build.
 * :class:`GrammarState` is one request's matcher. It is advanced lazily, from the
   request's own ``output_token_ids``, right before its next mask: a decode instance
   that received the first token from prefill, or a preempted request, catches up
@@ -20,8 +28,12 @@ The library is llguidance (``docs/structured_outputs.md`` says why). The pieces:
 
 A matcher that reaches an accepting state allows the end-of-sequence tokens; one
 that has stopped (the grammar is complete) allows only those. A matcher in an error
-state (a token it refused was forced in, e.g. by ``min_tokens``) allows only
-end-of-sequence, so the request ends instead of emitting unconstrained text.
+state (a runtime limit of the library, a token it refused) records the error in its
+state (:attr:`GrammarState.error`) and :func:`grammar_violations` reports the row,
+as does a sampled token outside its row's mask (``min_tokens`` holding back the only
+allowed token): the runner then fails the request (``finish_reason: "error"``)
+without its token, so no text outside the grammar is ever emitted. Errors are
+logged and reported bounded (:func:`bounded`): never the whole grammar.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +52,10 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import numpy as np
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
+from ec_frontend.errors import GRAMMAR_FAILURE_PREFIX
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -54,6 +69,58 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 CACHE_SIZE = 512
 #: Constraint kinds a request may ask for.
 KINDS = frozenset({"json", "json_object", "regex", "choice", "grammar", "lark", "structural_tag"})
+#: Characters of a library error kept in a log line or an error message.
+ERROR_CHARS = 300
+
+
+def bounded(text: str, limit: int = ERROR_CHARS) -> str:
+    """``text`` on one line, without a Rust backtrace, cut to ``limit`` characters
+    (a library error may quote the grammar, megabytes of it)."""
+    line = " ".join(text.split("<backtrace>", 1)[0].split())
+    if len(line) <= limit:
+        return line
+    return f"{line[:limit]}... ({len(line)} characters)"
+
+
+def parser_limits() -> LLParserLimits:
+    """The library's default resource limits, with errors that do not quote the
+    grammar or the parser's state."""
+    return LLParserLimits(verbose_errors=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBudget:
+    """What one request's grammar may cost: ``max_bytes`` of grammar text (checked at
+    the API, before anything is built) and ``compile_timeout_s`` seconds to validate
+    it (on the server) or build its matcher (in the engine)."""
+
+    max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, not {self.max_bytes}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, not {self.compile_timeout_s}")
+
+
+def _compile_threads() -> int:
+    return max(2, min(4, (os.cpu_count() or 2) // 4))
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def compile_pool() -> ThreadPoolExecutor:
+    """The process's grammar compile threads (a quarter of the cores, 2 to 4),
+    created on first use."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(
+                ThreadPoolExecutor(_compile_threads(), thread_name_prefix="grammar-compile")
+            )
+        return _POOL[0]
 
 
 class StructuredOutputError(ValueError):
@@ -65,47 +132,145 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class CompiledGrammar:
     """A validated llguidance grammar and the tokenizer it runs over.
 
-    The first matcher built from it (parsing the grammar and setting up its lexer:
-    about half a millisecond for a JSON schema) is kept unused as a template;
-    every request's matcher is a copy of it (microseconds).
+    Its first matcher (parsing the grammar, building its lexer and its first mask:
+    half a millisecond for a JSON schema, seconds for tens of thousands of choices)
+    is built once, by :meth:`build` (on a compile thread after :meth:`start`), and
+    kept unused as a template; every request's matcher is a copy of it
+    (microseconds). A grammar the library refuses keeps its :attr:`error`.
     """
 
     kind: str
     grammar: str
-    tokenizer: LLTokenizer
-    _template: list[LLMatcher] = field(default_factory=list, repr=False)
+    #: The tokenizer, or a function that loads it (called by the first build, on a
+    #: compile thread: the engine process loads its tokenizer on first use).
+    source: LLTokenizer | Callable[[], LLTokenizer] = field(repr=False)
+    _template: LLMatcher | None = field(default=None, repr=False)
+    _error: str | None = field(default=None, repr=False)
+    _future: Future[None] | None = field(default=None, repr=False)
+    _waiters: int = field(default=0, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def new_state(self) -> GrammarState:
         return GrammarState(self)
 
-    def new_matcher(self) -> LLMatcher:
-        """A matcher at the start of the grammar."""
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        source = self.source
+        if isinstance(source, LLTokenizer):
+            return source
+        tokenizer = source()
+        self.source = tokenizer
+        return tokenizer
+
+    @property
+    def eos_tokens(self) -> Sequence[int]:
+        """The tokenizer's end-of-sequence ids (none before it is loaded)."""
+        source = self.source
+        return source.eos_tokens if isinstance(source, LLTokenizer) else ()
+
+    @property
+    def ready(self) -> bool:
+        """The template matcher is built: a request may be scheduled."""
+        return self._template is not None
+
+    @property
+    def error(self) -> str | None:
+        """Why the library refused the grammar (bounded), or ``None``."""
+        return self._error
+
+    def start(self, pool: ThreadPoolExecutor | None = None) -> None:
+        """Build the template on ``pool`` (default :func:`compile_pool`) unless it is
+        built or building; one more request waits for it until :meth:`release`."""
         with self._lock:
-            if not self._template:
-                self._template.append(LLMatcher(self.tokenizer, self.grammar))
-            return self._template[0].deep_copy()
+            self._waiters += 1
+            if self._template is not None or self._error is not None or self._future is not None:
+                return
+            self._future = (pool or compile_pool()).submit(self.build)
+
+    def release(self) -> None:
+        """A waiting request gave up (timed out, aborted): with no other waiter, a
+        build that has not started is dropped (a later request starts it again)."""
+        with self._lock:
+            self._waiters = max(0, self._waiters - 1)
+            if self._waiters == 0 and self._future is not None and self._future.cancel():
+                self._future = None
+
+    def build(self) -> None:
+        """Build the template matcher and its first mask (blocking; the library
+        releases the GIL). A refused grammar sets :attr:`error` instead."""
+        if self._template is not None or self._error is not None:
+            return
+        try:
+            tokenizer = self.tokenizer
+        except (OSError, ValueError, RuntimeError) as exc:
+            with self._lock:
+                self._error = bounded(f"no tokenizer to constrain the output: {exc}")
+            return
+        matcher = LLMatcher(tokenizer, self.grammar, log_level=0, limits=parser_limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        error = bounded(matcher.get_error()) if matcher.is_error() else None
+        with self._lock:
+            if error is not None:
+                self._error = error
+                logger.warning("%s grammar refused by the library: %s", self.kind, error)
+            else:
+                self._template = matcher
+
+    def new_matcher(self) -> LLMatcher:
+        """A matcher at the start of the grammar (built here if no compile thread
+        built it: callers that schedule requests wait for :attr:`ready`)."""
+        if self._template is None and self._error is None:
+            self.build()
+        template = self._template
+        if template is None:
+            raise StructuredOutputError(f"grammar refused: {self._error}", "structured_outputs")
+        with self._lock:
+            return template.deep_copy()
 
 
 class GrammarState:
     """One request's matcher, advanced over its output tokens before each mask.
 
-    Created on the engine thread without compiling anything: the matcher itself is
-    built on the bitmask worker at the first mask (llguidance builds its lexer
-    there, with the GIL released).
+    Created on the engine thread without compiling anything: the matcher is a copy
+    of its grammar's template, made on the bitmask worker at the first mask.
+    ``error`` says why the request left its grammar (the library's error, bounded);
+    the runner then fails the request.
     """
 
-    __slots__ = ("_matcher", "failed", "grammar", "num_consumed")
+    __slots__ = ("_matcher", "error", "grammar", "num_consumed", "since")
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         self.grammar = grammar
         self._matcher: LLMatcher | None = None
         self.num_consumed = 0
-        self.failed = False
+        self.error: str | None = None
+        #: When the request started waiting for its grammar's build (monotonic).
+        self.since: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = bounded(message)
+            logger.warning("constrained request left its grammar: %s", self.error)
+
+    def start(self, pool: ThreadPoolExecutor | None = None) -> None:
+        """Start building the grammar (see :meth:`CompiledGrammar.start`)."""
+        if self.since is None:
+            self.since = time.monotonic()
+            self.grammar.start(pool)
+
+    def release(self) -> None:
+        """Stop waiting for the grammar's build (see :meth:`CompiledGrammar.release`)."""
+        if self.since is not None:
+            self.grammar.release()
 
     @property
     def matcher(self) -> LLMatcher:
@@ -115,18 +280,28 @@ class GrammarState:
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Advance over the tokens generated since the last call."""
-        n = len(output_token_ids)
-        if n <= self.num_consumed or self.failed:
-            self.num_consumed = max(self.num_consumed, n)
+        if self.failed:
             return
-        matcher = self.matcher
+        try:
+            matcher = self.matcher
+        except StructuredOutputError as exc:
+            self.fail(exc.message)
+            return
+        n = len(output_token_ids)
+        if n <= self.num_consumed:
+            return
         new = list(output_token_ids[self.num_consumed : n])
         self.num_consumed = n
         if matcher.is_stopped():
             return
         if not matcher.consume_tokens(new):
-            self.failed = True
-            logger.warning("constrained request left its grammar: %s", matcher.get_error())
+            self.fail(matcher.get_error() or "a generated token is outside the grammar")
+
+    def check(self) -> None:
+        """Record the matcher's error, if the library set one (a runtime limit)."""
+        matcher = self._matcher
+        if matcher is not None and self.error is None and matcher.is_error():
+            self.fail(matcher.get_error())
 
     @property
     def started(self) -> bool:
@@ -139,9 +314,22 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Constraint specs -> :class:`CompiledGrammar`, cached; safe to call from threads."""
+    """Constraint specs -> :class:`CompiledGrammar`, cached; safe to call from threads.
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    A grammar over ``budget.max_bytes`` is refused before the library sees it; the
+    rest is validated by the library (grammar syntax and its limits; the lexer over
+    the vocabulary is built by the engine) on :func:`compile_pool`, waited for at most
+    ``budget.compile_timeout_s``. A choice list or ``json_object`` is not validated:
+    its grammar is the library's own and has no syntax to get wrong.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        budget: GrammarBudget | None = None,
+    ) -> None:
         import llguidance.hf  # imports transformers: only where a tokenizer is wrapped
 
         eos = sorted(set(eos_token_ids)) or None
@@ -149,6 +337,7 @@ class GrammarCompiler:
             hf_tokenizer, n_vocab=vocab_size, eos_token=eos
         )
         self.vocab_size = vocab_size
+        self.budget = budget or GrammarBudget()
         #: Texts of the tokenizer's special tokens (a structural tag's trigger that is
         #: one is matched as that token, not as text).
         self.special_tokens = frozenset(getattr(hf_tokenizer, "all_special_tokens", ()))
@@ -158,7 +347,8 @@ class GrammarCompiler:
         self.misses = 0
 
     def compile(self, kind: str, spec: Any, param: str) -> CompiledGrammar:
-        """The grammar of a constraint; :class:`StructuredOutputError` if it is invalid."""
+        """The grammar of a constraint; :class:`StructuredOutputError` if it is
+        invalid or over the budget."""
         if kind not in KINDS:
             raise StructuredOutputError(f"unknown constraint kind {kind!r}", param)
         key = (kind, json.dumps(spec, sort_keys=True, ensure_ascii=False))
@@ -168,17 +358,41 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return hit
-        grammar = self._build(kind, spec, param)
-        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise StructuredOutputError(f"invalid {_WHAT[kind]} in '{param}': {error}", param)
-        compiled = CompiledGrammar(kind, grammar, self.tokenizer)
+        timeout = self.budget.compile_timeout_s
+        future = compile_pool().submit(self._compile, kind, spec, param)
+        try:
+            compiled = future.result(timeout=timeout)
+        except TimeoutError:
+            future.cancel()
+            raise StructuredOutputError(
+                f"the {_WHAT[kind]} in '{param}' took longer than this server's limit of "
+                f"{timeout:g} s to compile (--structured-outputs-compile-timeout)",
+                param,
+            ) from None
         with self._lock:
             self.misses += 1
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _compile(self, kind: str, spec: Any, param: str) -> CompiledGrammar:
+        grammar = self._build(kind, spec, param)
+        size = len(grammar.encode())
+        limit = self.budget.max_bytes
+        if size > limit:
+            raise StructuredOutputError(
+                f"the {_WHAT[kind]} in '{param}' compiles to a grammar of {size:,} bytes, "
+                f"over this server's limit of {limit:,} (--structured-outputs-max-grammar-bytes)",
+                param,
+            )
+        if kind not in ("choice", "json_object"):
+            error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
+            if error:
+                raise StructuredOutputError(
+                    f"invalid {_WHAT[kind]} in '{param}': {bounded(error)}", param
+                )
+        return CompiledGrammar(kind, grammar, self.tokenizer)
 
     def _build(self, kind: str, spec: Any, param: str) -> str:
         if kind == "structural_tag":
@@ -202,7 +416,7 @@ class GrammarCompiler:
             return LLMatcher.grammar_from_lark(spec)
         except (ValueError, TypeError, RecursionError) as exc:
             raise StructuredOutputError(
-                f"invalid {_WHAT[kind]} in '{param}': {exc}", param
+                f"invalid {_WHAT[kind]} in '{param}': {bounded(str(exc))}", param
             ) from exc
 
     def _structural_tag(self, spec: dict[str, Any], param: str) -> str:
@@ -218,9 +432,11 @@ class GrammarCompiler:
             if schema is False:
                 raise StructuredOutputError(f"the schema in '{at}' admits no value", at)
             schema = {} if schema is True else schema
-            error = LLMatcher.validate_grammar(self._build("json", schema, at), self.tokenizer)
+            error = LLMatcher.validate_grammar(
+                self._build("json", schema, at), limits=parser_limits()
+            )
             if error:
-                raise StructuredOutputError(f"invalid JSON schema in '{at}': {error}", at)
+                raise StructuredOutputError(f"invalid JSON schema in '{at}': {bounded(error)}", at)
             trigger = next(t for t in triggers if item["begin"].startswith(t))
             tags.append(
                 llguidance.StructTag(
@@ -297,7 +513,7 @@ def _prepare(
             continue
         state.sync(outputs[i])
         if state.failed:
-            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+            _only(mask[i], state.grammar.eos_tokens)
         else:
             job.work.append((state.matcher, i))
     return job
@@ -311,7 +527,7 @@ def _compute(executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Ten
     for state, i, output in job.fresh:
         state.sync(output)
         if state.failed:
-            _only(mask[i], state.grammar.tokenizer.eos_tokens)
+            _only(mask[i], state.grammar.eos_tokens)
         else:
             work.append((state.matcher, i))
     if not work:
@@ -324,13 +540,43 @@ def _compute(executor: llguidance.LLExecutor | None, job: _MaskJob) -> torch.Ten
     else:
         executor.unsafe_compute_mask_ptr(work, mask.data_ptr(), width, mask.shape[0])
     words = mask.numpy()
-    for matcher, i in work:
-        if not words[i].any():
-            # Nothing allowed (a matcher that failed inside the library): end.
-            logger.warning("constrained request has no allowed token: %s", matcher.get_error())
-            row_state = job.states[i]
-            _only(mask[i], row_state.grammar.tokenizer.eos_tokens if row_state is not None else ())
+    for _, i in work:
+        row_state = job.states[i]
+        if row_state is None:
+            continue
+        row_state.check()
+        if not row_state.failed and not words[i].any():
+            row_state.fail("the grammar allows no token")
+        if row_state.failed:
+            _only(mask[i], row_state.grammar.eos_tokens)
     return mask
+
+
+def grammar_violations(
+    states: Sequence[GrammarState | None],
+    bitmask: torch.Tensor | None,
+    token_ids: Sequence[int],
+) -> dict[int, str]:
+    """Rows whose request must end with an error instead of its sampled token: its
+    matcher failed (:attr:`GrammarState.error`), or the token is outside its row of
+    ``bitmask`` (another mask, ``min_tokens`` say, held back every allowed token)."""
+    bad: dict[int, str] = {}
+    words = bitmask.numpy() if bitmask is not None else None
+    for i, state in enumerate(states):
+        if state is None:
+            continue
+        if state.error is not None:
+            bad[i] = f"{GRAMMAR_FAILURE_PREFIX}the output left its grammar: {state.error}"
+            continue
+        token = token_ids[i]
+        if words is not None and not (int(words[i, token // 32]) >> (token % 32)) & 1:
+            state.fail(f"token {token} is outside the grammar")
+            bad[i] = (
+                f"{GRAMMAR_FAILURE_PREFIX}the output left its grammar: token {token} is "
+                "outside it (another constraint of the request, such as min_tokens, "
+                "excluded every token the grammar allows)"
+            )
+    return bad
 
 
 class BitmaskFiller:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ec_frontend import logs
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from ec_frontend.entrypoints.http.cli_args import (
     FrontendSettings,
     add_frontend_args,
@@ -254,6 +255,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="how tool calls are written by the model: hermes (the Qwen family's "
         "<tool_call> format)",
+    )
+    p.add_argument(
+        "--structured-outputs-compile-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds to validate a request's grammar (else 400) and to build its matcher "
+        "in the engine, off the engine's step (else the request ends with an error) "
+        f"(default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--structured-outputs-max-grammar-bytes",
+        type=int,
+        default=DEFAULT_MAX_GRAMMAR_BYTES,
+        help="largest compiled grammar of a request (a schema, regex, choice list, "
+        "grammar, structural tag or tool set), in bytes; a larger one is a 400 naming "
+        f"its field (default {DEFAULT_MAX_GRAMMAR_BYTES}: about 45,000 short choices)",
     )
     p.add_argument(
         "--api-server-count",
@@ -523,6 +540,8 @@ def run_serve(args: argparse.Namespace) -> int:
         public_docs=args.public_docs,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        structured_outputs_max_grammar_bytes=args.structured_outputs_max_grammar_bytes,
         api_server_count=args.api_server_count,
         media=media,
     )

@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from ec_frontend import logs
-from ec_frontend.config import TRANSFER_SECRET_ENV
+from ec_frontend.config import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    TRANSFER_SECRET_ENV,
+)
 from ec_frontend.engine.core_proc import EngineProcess
 from ec_frontend.engine.summary import engine_summary, summary_lines
 from ec_frontend.entrypoints.http.cli_args import FrontendSettings
@@ -106,6 +110,10 @@ class ServeOptions:
     public_docs: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: Structured outputs' budget: seconds to validate (server) or build (engine) one
+    #: grammar, and bytes of one compiled grammar.
+    structured_outputs_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    structured_outputs_max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     #: API server (frontend) processes sharing the listening socket
     #: (``entrypoints/api_servers.py``); 1 serves from this process.
     api_server_count: int = 1
@@ -269,6 +277,8 @@ def serve(
         public_docs=opts.public_docs,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         tool_call_parser=opts.tool_call_parser,
+        grammar_compile_timeout_s=opts.structured_outputs_compile_timeout,
+        grammar_max_bytes=opts.structured_outputs_max_grammar_bytes,
         media=opts.media,
         max_logprobs=opts.max_logprobs,
         access_log=opts.access_log,

@@ -13,6 +13,7 @@ import orjson
 from starlette.responses import Response
 
 from ec_frontend._core import RequestError
+from ec_frontend.errors import GRAMMAR_FAILURE_PREFIX
 
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -114,6 +115,8 @@ def engine_failure(message: str) -> APIError:
         return APIError(502, message, code="ec_item_unavailable")
     if message.startswith(_EC_UNAVAILABLE):
         return APIError(400, message, code="ec_item_unavailable")
+    if message.startswith(GRAMMAR_FAILURE_PREFIX):
+        return APIError(400, message, code="grammar_error")
     if message.startswith(_INPUT_FAILURES):
         return APIError(400, f"the engine cannot serve this input: {message}", code="invalid_input")
     if message.startswith(_KV_PULL_FAILURE):

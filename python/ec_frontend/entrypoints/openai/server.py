@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from ec_frontend.entrypoints.http.errors import (
     APIError,
     engine_failure,
@@ -95,6 +96,9 @@ class ServerConfig:
     #: ``--enable-auto-tool-choice`` / ``--tool-call-parser``.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: ``--structured-outputs-compile-timeout`` / ``--structured-outputs-max-grammar-bytes``.
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     #: Media by URL (``--allowed-media-domains`` ...); ``None``: URL items are refused.
     media: MediaFetchConfig | None = field(default_factory=MediaFetchConfig)
     #: ``--max-logprobs``.
@@ -170,6 +174,8 @@ class App:
                 limits=limits,
                 enable_auto_tool_choice=config.enable_auto_tool_choice,
                 tool_call_parser=config.tool_call_parser,
+                grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+                grammar_max_bytes=config.grammar_max_bytes,
                 model_id=config.model_id,
                 max_logprobs=config.max_logprobs,
             ),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ec_frontend._core import ParsedRequest
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from ec_frontend.connectors.ec_item_params import ec_items_problem
 from ec_frontend.connectors.kv_transfer_params import stamp_hold_client
 from ec_frontend.entrypoints.http.errors import APIError
@@ -72,6 +73,9 @@ class ServingConfig:
     #: the output with ``tool_call_parser``.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    #: A request's grammar: seconds to validate it, bytes it may have.
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     #: Enters the content key of a fetched media item (as the parser's ``model_id``).
     model_id: str = ""
     #: ``--max-logprobs``.
@@ -101,7 +105,17 @@ class Serving:
         #: Engine-request slots reserved by requests being prepared (:meth:`reserve`).
         self._reserved = 0
         self._background: set[asyncio.Task[None]] = set()
-        self.structured = StructuredCompiler(engine, config.vocab_size)
+        self.structured = StructuredCompiler(
+            engine,
+            config.vocab_size,
+            max_bytes=config.grammar_max_bytes,
+            compile_timeout_s=config.grammar_compile_timeout_s,
+        )
+        if config.offload_processing:
+            # A model-backed server: the grammar library and its view of the
+            # vocabulary are loaded now, not by the first constrained request (seconds
+            # of imports and Python that would hold up every stream's chunks).
+            self.structured.prepare()
         limits = config.limits
         #: The bounded pool for client-sized work: input processing (unless
         #: ``offload_processing`` is off, the mock engine's cheap inputs) and the utility

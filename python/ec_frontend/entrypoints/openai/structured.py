@@ -6,6 +6,8 @@ constraint is compiled by the engine's library on the input-processing threads
 
 * a schema, regex or grammar the library cannot compile (``param`` is where the
   request gave it, e.g. ``response_format.json_schema.schema``);
+* a grammar over ``--structured-outputs-max-grammar-bytes``, or one whose validation
+  outlasts ``--structured-outputs-compile-timeout``;
 * ``tool_choice: auto`` (also the default with ``tools``) on a server started
   without ``--enable-auto-tool-choice --tool-call-parser`` (as vLLM);
 * a constraint on a server with no tokenizer (``--mock-engine``).
@@ -13,9 +15,11 @@ constraint is compiled by the engine's library on the input-processing threads
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.entrypoints.openai.tool_parsers import ToolPlan, plan_from, tool_call_grammar
 
@@ -26,9 +30,18 @@ if TYPE_CHECKING:
 class StructuredCompiler:
     """Builds the engine's grammar compiler on first use (it wraps the tokenizer)."""
 
-    def __init__(self, engine: Any, vocab_size: int | None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        vocab_size: int | None,
+        *,
+        max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+        compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    ) -> None:
         self._engine = engine
         self._vocab_size = vocab_size
+        self._max_bytes = max_bytes
+        self._compile_timeout_s = compile_timeout_s
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -40,10 +53,15 @@ class StructuredCompiler:
                 self._compiler = self._build(param)
             return self._compiler
 
+    def prepare(self) -> None:
+        """Build the compiler now, if this server has a tokenizer."""
+        with contextlib.suppress(APIError):
+            self.compiler("structured_outputs")
+
     def _build(self, param: str) -> GrammarCompiler:
         # Imported on first use: a server that never constrains (--mock-engine) does
         # not load the library, torch or transformers.
-        from ec_frontend.engine.structured_output import GrammarCompiler
+        from ec_frontend.engine.structured_output import GrammarBudget, GrammarCompiler
 
         processor = getattr(self._engine, "processor", None)
         tokenizer = getattr(processor, "tokenizer", None)
@@ -60,7 +78,8 @@ class StructuredCompiler:
         if eos is None:
             eos = tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        return GrammarCompiler(tokenizer, vocab, eos_ids)
+        budget = GrammarBudget(self._max_bytes, self._compile_timeout_s)
+        return GrammarCompiler(tokenizer, vocab, eos_ids, budget)
 
     def compile(
         self,
