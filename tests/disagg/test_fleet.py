@@ -18,11 +18,9 @@ Figures are printed (run with ``-s`` to see them) and asserted.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from ec_frontend.config import TRANSFER_SECRET_ENV
 from ec_frontend.entrypoints.proxy.app import item_uuid
 from ec_frontend.entrypoints.proxy.routing import rendezvous_order
 
+from ..helpers.origin import Route, origin
 from ..helpers.processes import Proc, start_all
 from .conftest import (
     MODEL_NAME,
@@ -276,31 +275,6 @@ def test_an_encoder_killed_mid_run_moves_only_its_share(fleet: dict[str, Proc]) 
     assert labelled(px, "proxy_ejections_total", role="encode") == {victim.url: 1.0}
 
 
-class Toggle:
-    """A real HTTP server whose ``/health`` answers 200 or 503, as the test sets it."""
-
-    def __init__(self) -> None:
-        self.healthy = True
-        toggle = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200 if toggle.healthy else 503)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def wait_for(px: Proc, url: str, state: str, timeout_s: float) -> float:
     started = time.monotonic()
     while url not in admin("GET", px, None).json()["encode"][state]:
@@ -311,16 +285,16 @@ def wait_for(px: Proc, url: str, state: str, timeout_s: float) -> float:
 
 def test_a_failing_instance_leaves_rotation_and_comes_back(fleet: dict[str, Proc]) -> None:
     px = fleet["px_dyn"]
-    peer = Toggle()
-    try:
-        register(px, "encode", peer.url)
-        peer.healthy = False
-        wait_for(px, peer.url, "evicted", timeout_s=PROBE_S * 4 + 1)
-        peer.healthy = True
-        wait_for(px, peer.url, "live", timeout_s=PROBE_S * 4 + 1)
-        r = admin("DELETE", px, params={"url": peer.url})
+    healthy, failing = Route(b"{}", content_type="application/json"), Route(b"", status=503)
+    with origin() as peer:
+        peer.set("/health", healthy)
+        url = peer.url("")
+        register(px, "encode", url)
+        peer.set("/health", failing)
+        wait_for(px, url, "evicted", timeout_s=PROBE_S * 4 + 1)
+        peer.set("/health", healthy)
+        wait_for(px, url, "live", timeout_s=PROBE_S * 4 + 1)
+        r = admin("DELETE", px, params={"url": url})
         assert r.json() == {"removed": True}
         status = admin("GET", px, None).json()["encode"]
-        assert peer.url not in status["live"] + status["evicted"]
-    finally:
-        peer.close()
+        assert url not in status["live"] + status["evicted"]

@@ -762,27 +762,15 @@ class Proxy:
         and the answer is an error (or a stream that opens with one) saying that an
         encoded item could not be loaded, before any token. ``release`` is called once
         the answer has been passed back (the end of a stream)."""
-        try:
-            return await self._forward_held(url, body, headers, out_headers, retry_inline, release)
-        except BaseException:
-            release()
-            raise
-
-    async def _forward_held(
-        self,
-        url: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        out_headers: dict[str, str],
-        retry_inline: dict[str, Any] | None,
-        release: Callable[[], None],
-    ) -> Response | None:
         req = self.client.build_request("POST", url, content=orjson.dumps(body), headers=headers)
         started = time.perf_counter()
         try:
             resp = await self.client.send(req, stream=True)
-        except Exception as exc:
-            raise _unreachable(url, exc, "upstream_unreachable") from None
+        except BaseException as exc:
+            release()
+            if isinstance(exc, Exception):
+                raise _unreachable(url, exc, "upstream_unreachable") from None
+            raise
         self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - started)
         media_type = resp.headers.get("content-type", "application/json")
         if resp.status_code != 200 or not media_type.startswith("text/event-stream"):
@@ -801,9 +789,12 @@ class Proxy:
         if retry_inline is not None:
             try:
                 head, code = await _read_opening(chunks)
-            except Exception as exc:
+            except BaseException as exc:
                 await resp.aclose()
-                raise _unreachable(url, exc, "upstream_broken") from None
+                release()
+                if isinstance(exc, Exception):
+                    raise _unreachable(url, exc, "upstream_broken") from None
+                raise
             if code == REFERENCE_FAILED:
                 await resp.aclose()
                 release()
