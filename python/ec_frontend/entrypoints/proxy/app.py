@@ -3,7 +3,8 @@
 For each request on ``/v1/chat/completions``, ``/v1/completions`` or
 ``/inference/v1/generate``:
 
-1. every distinct media item goes to an encoder (round-robin, all items in
+1. every distinct media item goes to an encoder (chosen by ``--encoder-routing``,
+   ``routing.py``; the instances are ``membership.py``'s live ones; all items in
    parallel, one request per item carrying that item only and ``max_tokens:
    1``; an item of a chat with several images goes as two copies of itself, so the
    encoder sees that context: LLaVA-OneVision encodes such an image differently);
@@ -16,8 +17,9 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    the SHA-256 of its URL), and the later stages get every encoded image as a
    metadata-only ``image_embeds`` reference with that ``uuid`` and the encoder's
    ``image_grid_thw``: no image bytes, no decoding, no preprocessing there;
-2. with prefill instances: the request goes to one with ``max_tokens: 1``,
-   ``kv_transfer_params: {"do_remote_decode": true}`` and the ec params, not
+2. with prefill instances: the request goes to one (chosen by ``--routing`` on the
+   prompt's prefix key; an unreachable one gives way to the next) with
+   ``max_tokens: 1``, ``kv_transfer_params: {"do_remote_decode": true}`` and the ec params, not
    streamed; its ``kv_transfer_params`` are what decode needs;
 3. the request goes to a decode instance with prefill's ``kv_transfer_params``
    (or, with no prefill stage, the ec params) and decode's answer, streamed or
@@ -42,7 +44,10 @@ One ``X-Request-Id`` (the client's, or a fresh one) travels to every stage
 (each instance makes its own engine ids unique) and comes back. An error from
 an instance is passed back with its status (a client error from an encoder stops
 the request there); an instance that cannot be reached gives 502.
-``/health`` and ``/metrics`` describe the proxy.
+``/health`` and ``/metrics`` describe the proxy; ``GET /instances`` lists the
+instances of each role, live or evicted, and with ``--dynamic-registration``
+``POST`` / ``DELETE /instances`` change them (vLLM's EPD-proxy API, behind the
+admin key).
 """
 
 from __future__ import annotations
