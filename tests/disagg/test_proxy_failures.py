@@ -56,7 +56,12 @@ def post(app: Any, body: dict[str, Any]) -> httpx.Response:
 
 
 def proxy_app(seen: dict[str, list[Any]]) -> tuple[Any, Any]:
-    config = ProxyConfig(encode_urls=("http://e1", "http://e2"), decode_urls=("http://d",))
+    # Round-robin, so that the first item goes to ``e1`` first.
+    config = ProxyConfig(
+        encode_urls=("http://e1", "http://e2"),
+        decode_urls=("http://d",),
+        encoder_routing="round-robin",
+    )
     app, proxy = build_proxy_app(config)
     proxy.client = httpx.AsyncClient(transport=upstreams(seen))
     return app, proxy

@@ -74,13 +74,20 @@ class VllmScript:
     """A script of vLLM's source distribution serving HTTP on a free loopback port, run
     as is by the vLLM environment's Python (``{port}`` in ``args`` is that port)."""
 
-    def __init__(self, python: Path, script: Path, args: Sequence[str], health: str) -> None:
+    def __init__(
+        self,
+        python: Path,
+        script: Path,
+        args: Sequence[str],
+        health: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         path = vllm_venv() / script
         assert path.is_file(), f"{path} is missing: run `bash scripts/setup_vllm.sh`"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health = health
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)
         self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())

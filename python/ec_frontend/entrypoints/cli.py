@@ -27,7 +27,13 @@ from ec_frontend.entrypoints.http.vllm_flags import ONLY, OnlyValues, add_vllm_f
 from ec_frontend.entrypoints.openai.limits import ResourceLimits
 from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from ec_frontend.entrypoints.proxy.cli import add_proxy_args, add_transfer_trust_args, run_proxy
+from ec_frontend.entrypoints.proxy.cli import (
+    ADMIN_KEY_ENV,
+    add_proxy_args,
+    add_transfer_trust_args,
+    run_proxy,
+)
+from ec_frontend.entrypoints.proxy.registration import DEFAULT_INTERVAL_S, ROLES, Registrar
 from ec_frontend.media.options import add_media_args, media_config
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 from ec_frontend.model.video import VideoLimits
@@ -73,6 +79,34 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    reg = p.add_argument_group("registration with EPD proxies (vLLM's /instances API)")
+    reg.add_argument(
+        "--register-with",
+        nargs="+",
+        default=[],
+        metavar="PROXY_URL",
+        help="once healthy, register with these proxies (ec-frontend proxy or vLLM's EPD "
+        "proxy in --dynamic-registration mode; admin key from $ADMIN_API_KEY), re-announce "
+        "every --register-interval seconds and unregister on exit",
+    )
+    reg.add_argument(
+        "--register-role",
+        choices=ROLES,
+        default=None,
+        help="the role to register under (required with --register-with)",
+    )
+    reg.add_argument(
+        "--register-url",
+        default=None,
+        metavar="URL",
+        help="the URL the proxies reach this instance at (default http://HOST:PORT)",
+    )
+    reg.add_argument(
+        "--register-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between announcements (default %(default)s)",
+    )
     p.add_argument(
         "--api-key",
         nargs="+",
@@ -545,11 +579,34 @@ def run_serve(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
         media=media,
     )
-    if options.api_server_count > 1:
-        from ec_frontend.entrypoints.api_servers import serve_group
+    registrar = None
+    if args.register_with:
+        try:
+            registrar = _registrar(args)
+        except ValueError as exc:
+            print(f"ec-frontend serve: {exc}", file=sys.stderr)
+            return 2
+        registrar.start()
+    try:
+        if options.api_server_count > 1:
+            from ec_frontend.entrypoints.api_servers import serve_group
 
-        serve_group(options)
-    return serve(options)
+            serve_group(options)
+        return serve(options)
+    finally:
+        if registrar is not None:
+            registrar.stop()
+
+
+def _registrar(args: argparse.Namespace) -> Registrar:
+    if args.register_role is None:
+        raise ValueError("--register-with needs --register-role")
+    if args.register_interval <= 0:
+        raise ValueError("--register-interval must be positive")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = args.register_url or f"http://{host}:{args.port}"
+    key = os.environ.get(ADMIN_KEY_ENV, "")
+    return Registrar(args.register_with, args.register_role, url, key, args.register_interval)
 
 
 COMMANDS["serve"] = (add_serve_args, run_serve)

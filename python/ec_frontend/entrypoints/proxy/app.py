@@ -3,7 +3,8 @@
 For each request on ``/v1/chat/completions``, ``/v1/completions`` or
 ``/inference/v1/generate``:
 
-1. every distinct media item goes to an encoder (round-robin, all items in
+1. every distinct media item goes to an encoder (chosen by ``--encoder-routing``,
+   ``routing.py``; the instances are ``membership.py``'s live ones; all items in
    parallel, one request per item carrying that item only and ``max_tokens:
    1``; an item of a chat with several images goes as two copies of itself, so the
    encoder sees that context: LLaVA-OneVision encodes such an image differently);
@@ -16,10 +17,11 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    the SHA-256 of its URL), and the later stages get every encoded image as a
    metadata-only ``image_embeds`` reference with that ``uuid`` and the encoder's
    ``image_grid_thw``: no image bytes, no decoding, no preprocessing there;
-2. with prefill instances: the request goes to one with ``max_tokens: 1``,
-   ``kv_transfer_params: {"do_remote_decode": true}`` and the ec params, not
-   streamed; its ``kv_transfer_params`` are what decode needs (when prefill
-   refused to hold the KV, ``hold_refused``, decode computes the prompt and
+2. with prefill instances: the request goes to one (chosen by ``--routing`` on the
+   prompt's prefix key; an unreachable one gives way to the next) with
+   ``max_tokens: 1``, ``kv_transfer_params: {"do_remote_decode": true}`` and the ec
+   params, not streamed; its ``kv_transfer_params`` are what decode needs (when
+   prefill refused to hold the KV, ``hold_refused``, decode computes the prompt and
    the response carries ``X-KV-Fallback: local-prefill``);
 3. the request goes to a decode instance with prefill's ``kv_transfer_params``
    (or, with no prefill stage, the ec params) and decode's answer, streamed or
@@ -46,33 +48,54 @@ an instance is passed back with its status (a client error from an encoder stops
 the request there); an instance that cannot be reached gives 502.
 ``/health`` answers 503 while a role the proxy routes through has no healthy
 instance, and unknown routes get OpenAI-shaped 404 / 405 (``proxy/front.py``);
-``/metrics`` describes the proxy.
+``/metrics`` describes the proxy; ``GET /instances`` lists the instances of each
+role, live or evicted, and with ``--dynamic-registration`` ``POST`` / ``DELETE
+/instances`` change them (vLLM's EPD-proxy API, behind the admin key).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
-import itertools
+import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature, loggable
 from ec_frontend.entrypoints.http.errors import error_body
 from ec_frontend.entrypoints.proxy.front import RoleHealth, http_error
+from ec_frontend.entrypoints.proxy.membership import (
+    BadRecord,
+    Instance,
+    Membership,
+    MembershipConfig,
+    MembershipConflict,
+    Role,
+    parse_registration,
+    parse_url,
+)
 from ec_frontend.entrypoints.proxy.metrics import ProxyMetrics
+from ec_frontend.entrypoints.proxy.routing import (
+    DEFAULT_LOAD_FACTOR,
+    ENCODER_POLICIES,
+    PREFILL_POLICIES,
+    Router,
+    prefix_key,
+    rendezvous_order,
+)
 
 log = logging.getLogger("ec_frontend.proxy")
 
@@ -108,22 +131,38 @@ class ProxyConfig:
     max_media_items: int = 32
     max_encoder_fanout: int = 8
     transfer_secret: bytes | None = field(default=None, repr=False)
+    encoder_routing: str = "affinity"
+    routing: str = "cache-aware"
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    #: The ``X-API-Key`` that ``POST`` / ``DELETE /instances`` need (``$ADMIN_API_KEY``).
+    admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.decode_urls:
+        if not self.decode_urls and not self.membership.dynamic_registration:
             raise ValueError("the proxy needs at least one --decode URL")
+        if self.membership.dynamic_registration and not self.admin_key:
+            raise ValueError("--dynamic-registration needs an admin key ($ADMIN_API_KEY)")
+        if self.encoder_routing not in ENCODER_POLICIES:
+            raise ValueError(f"--encoder-routing must be one of {', '.join(ENCODER_POLICIES)}")
+        if self.routing not in PREFILL_POLICIES:
+            raise ValueError(f"--routing must be one of {', '.join(PREFILL_POLICIES)}")
+        if self.load_factor < 1.0:
+            raise ValueError("--load-factor must be at least 1")
         for url in (*self.encode_urls, *self.prefill_urls, *self.decode_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"not an http(s) URL: {url!r}")
 
 
 class UpstreamError(Exception):
-    """An instance answered with an error (passed back) or could not be reached (502)."""
+    """An instance answered with an error (passed back) or could not be reached (502,
+    ``unreachable``: the request may go to another instance of the role)."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, unreachable: bool = False) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
+        self.unreachable = unreachable
 
 
 def check_body(endpoint: str, body: dict[str, Any], disaggregated: bool) -> tuple[str, str] | None:
@@ -220,7 +259,7 @@ def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
         # A failure of the exchange that httpx did not map to its own errors (a socket
         # torn down under it, say): the upstream is as unusable, and the trace is kept.
         log.warning("request to %s failed outside httpx's errors", url, exc_info=exc)
-    return UpstreamError(502, error_body(502, f"{url}: {exc!r}", None, code))
+    return UpstreamError(502, error_body(502, f"{url}: {exc!r}", None, code), unreachable=True)
 
 
 def _request_id(value: str | None) -> str:
@@ -340,16 +379,84 @@ class Proxy:
         )
         timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
-        self._rr = {
-            "encode": itertools.count(),
-            "prefill": itertools.count(),
-            "decode": itertools.count(),
+        self.members = Membership(config.membership, on_eject=self._ejected)
+        self.members.add_static(Role.ENCODE, config.encode_urls)
+        self.members.add_static(Role.PREFILL, config.prefill_urls)
+        pd = Role.DECODE if config.prefill_urls else Role.PREFILL_DECODE
+        self.members.add_static(pd, config.decode_urls)
+        split_decode = "round-robin" if config.routing == "round-robin" else "least-loaded"
+        self.routers = {
+            Role.ENCODE: Router(config.encoder_routing, config.load_factor),
+            Role.PREFILL: Router(config.routing, config.load_factor),
+            Role.PREFILL_DECODE: Router(config.routing, config.load_factor),
+            Role.DECODE: Router(split_decode, config.load_factor),
         }
 
-    def _pick(self, stage: str, urls: tuple[str, ...]) -> str:
-        return urls[next(self._rr[stage]) % len(urls)]
+    def _ejected(self, instance: Instance) -> None:
+        self.metrics.ejections.inc((instance.role.value, instance.url))
+
+    def _decode_role(self) -> Role:
+        """``decode`` in an E+P+D deployment, ``prefill_decode`` in an E+PD one."""
+        return Role.DECODE if self._split() else Role.PREFILL_DECODE
+
+    def _split(self) -> bool:
+        return bool(self.members.roles() & {Role.PREFILL, Role.DECODE})
+
+    def _order(self, role: Role, key: bytes) -> list[str]:
+        """The live instances of ``role`` for ``key``: the policy's pick, then its fallbacks."""
+        candidates = self.members.live(role)
+        if not candidates:
+            message = f"no {role.value} instance is in rotation"
+            raise UpstreamError(503, error_body(503, message, None, "no_instance"))
+        loads = {url: self.metrics.in_flight.get((role.value, url), 0) for url in candidates}
+        return self.routers[role].order(key, candidates, loads)
+
+    def _routed(self, role: Role, url: str, key: bytes, attempt: int) -> None:
+        labels = (role.value, url, self.routers[role].policy)
+        self.metrics.routed.inc(labels)
+        if attempt:
+            self.metrics.reroutes.inc((role.value,))
+        elif url == rendezvous_order(key, self.members.live(role))[0]:
+            self.metrics.affinity_hits.inc(labels)
+
+    def _load(self, role: Role, url: str) -> Callable[[], None]:
+        """Counts a request in flight to ``url``; the returned function ends it (once)."""
+        key = (role.value, url)
+        self.metrics.in_flight[key] = self.metrics.in_flight.get(key, 0) + 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.metrics.in_flight[key] -= 1
+
+        return release
+
+    def _outcome(self, url: str, exc: UpstreamError | None) -> None:
+        """Health news from a request: an instance that could not be reached counts
+        toward its eviction, any answer resets that count."""
+        if exc is not None and exc.unreachable:
+            self.members.report_failure(url)
+        else:
+            self.members.report_success(url)
+
+    @contextlib.asynccontextmanager
+    async def _to(self, role: Role, url: str) -> AsyncIterator[None]:
+        """One request to ``url`` while it lasts: its load, and what it says of health."""
+        release = self._load(role, url)
+        try:
+            yield
+        except UpstreamError as exc:
+            self._outcome(url, exc)
+            raise
+        else:
+            self._outcome(url, None)
+        finally:
+            release()
 
     async def close(self) -> None:
+        await self.members.stop()
         await self.client.aclose()
 
     # ---- stages -------------------------------------------------------------
@@ -383,8 +490,11 @@ class Proxy:
         entries that fail verification, and the ``image_grid_thw`` the encoder reported
         (metadata from an encoder this proxy chose; the item itself is found by its
         key, through the params or the consumer's connector)."""
-        urls = self.config.encode_urls
-        start = next(self._rr["encode"])
+        key = item_uuid(part).encode()
+        try:
+            urls = self._order(Role.ENCODE, key)
+        except UpstreamError:
+            urls = []  # every encoder is out of rotation: the item is encoded downstream
         # An item of a prompt with several images goes in a chat of several image parts
         # (itself twice: one item, encoded once), so that a family whose encoding depends
         # on that (LLaVA-OneVision) encodes it as prefill and decode will use it.
@@ -398,14 +508,18 @@ class Proxy:
         for scope in ("mm_processor_kwargs", "cache_salt"):
             if scope in body:
                 item_body[scope] = body[scope]
-        for attempt in range(len(urls)):
-            url = urls[(start + attempt) % len(urls)]
+        for attempt, url in enumerate(urls):
             if attempt:
                 self.metrics.encoder_retries.inc()
+            self._routed(Role.ENCODE, url, key, attempt)
             try:
-                data = await self._post_json(
-                    url + "/v1/chat/completions", item_body, headers, self.config.encoder_timeout_s
-                )
+                async with self._to(Role.ENCODE, url):
+                    data = await self._post_json(
+                        url + "/v1/chat/completions",
+                        item_body,
+                        headers,
+                        self.config.encoder_timeout_s,
+                    )
             except UpstreamError as exc:
                 if 400 <= exc.status < 500 and exc.status not in (408, 429):
                     self.metrics.encoder_requests.inc(("client_error",))
@@ -455,7 +569,7 @@ class Proxy:
         """``(ec_transfer_params, grids, fell_back)`` for the body's media items;
         ``grids`` maps each encoded part to the ``image_grid_thw`` its encoder reported."""
         parts = media_parts(body)
-        if not parts or not self.config.encode_urls:
+        if not parts or Role.ENCODE not in self.members.roles():
             return {}, {}, False
         started = time.perf_counter()
         fanout = asyncio.Semaphore(self.config.max_encoder_fanout)
@@ -504,7 +618,7 @@ class Proxy:
             self.metrics.requests.inc((endpoint, "400"))
             content = error_body(400, problem, None, "invalid_json")
             return Response(content, 400, out_headers, "application/json")
-        problem_param = check_body(endpoint, body, bool(self.config.prefill_urls))
+        problem_param = check_body(endpoint, body, self._split())
         if problem_param is not None:
             self.metrics.requests.inc((endpoint, "400"))
             message, param = problem_param
@@ -553,20 +667,11 @@ class Proxy:
         # Where the next stage cannot load an encoded item (its encoder died or the
         # store evicted it since), the request goes again as the client sent it.
         retry_inline = body if grids or ec_params else None
-        if self.config.prefill_urls:
-            url = self._pick("prefill", self.config.prefill_urls)
+        route_key = prefix_key(body)
+        if self._split():
             started = time.perf_counter()
-            try:
-                data = await self._post_json(
-                    url + path, prefill_body(endpoint, decode_body), headers, self.config.timeout_s
-                )
-            except UpstreamError as exc:
-                if retry_inline is None or _error_code(exc.body) != REFERENCE_FAILED:
-                    raise
-                self._note_reference_retry(url, out_headers)
-                data = await self._post_json(
-                    url + path, prefill_body(endpoint, retry_inline), headers, self.config.timeout_s
-                )
+            url, data = await self._prefill(route_key, path, endpoint, decode_body, retry_inline,
+                                            headers, out_headers)  # fmt: skip
             self.metrics.prefill_seconds.observe(time.perf_counter() - started)
             kv = data.get("kv_transfer_params")
             refused = kv.get("hold_refused") if isinstance(kv, dict) else None
@@ -579,14 +684,69 @@ class Proxy:
                 decode_body.pop("ec_transfer_params", None)
                 retry_inline = None
             self.metrics.prefills.inc()
-        url = self._pick("decode", self.config.decode_urls) + path
-        response = await self._forward(url, decode_body, headers, out_headers, retry_inline)
-        if response is None:
-            assert retry_inline is not None
-            self._note_reference_retry(url, out_headers)
-            response = await self._forward(url, retry_inline, headers, out_headers)
-        assert response is not None
-        return response
+        role = self._decode_role()
+        urls = self._order(role, route_key)
+        for attempt, base in enumerate(urls):
+            self._routed(role, base, route_key, attempt)
+            url = base + path
+            try:
+                response = await self._forward(
+                    url, decode_body, headers, out_headers, retry_inline, self._load(role, base)
+                )
+                if response is None:
+                    assert retry_inline is not None
+                    self._note_reference_retry(url, out_headers)
+                    response = await self._forward(
+                        url, retry_inline, headers, out_headers, None, self._load(role, base)
+                    )
+            except UpstreamError as exc:
+                self._outcome(base, exc)
+                if not exc.unreachable or attempt == len(urls) - 1:
+                    raise
+                log.warning("%s instance %s unreachable; trying the next", role.value, base)
+                continue
+            self._outcome(base, None)
+            assert response is not None
+            return response
+        raise AssertionError("unreachable: _order returns at least one instance")
+
+    async def _prefill(
+        self,
+        key: bytes,
+        path: str,
+        endpoint: str,
+        body: dict[str, Any],
+        retry_inline: dict[str, Any] | None,
+        headers: dict[str, str],
+        out_headers: dict[str, str],
+    ) -> tuple[str, dict[str, Any]]:
+        """``(instance, answer)`` of the prefill stage: the routed instance, or the next
+        one in the policy's order when it cannot be reached."""
+        urls = self._order(Role.PREFILL, key)
+        for attempt, url in enumerate(urls):
+            self._routed(Role.PREFILL, url, key, attempt)
+            try:
+                async with self._to(Role.PREFILL, url):
+                    try:
+                        data = await self._post_json(
+                            url + path, prefill_body(endpoint, body), headers,
+                            self.config.timeout_s,
+                        )  # fmt: skip
+                    except UpstreamError as exc:
+                        if retry_inline is None or _error_code(exc.body) != REFERENCE_FAILED:
+                            raise
+                        self._note_reference_retry(url, out_headers)
+                        data = await self._post_json(
+                            url + path, prefill_body(endpoint, retry_inline), headers,
+                            self.config.timeout_s,
+                        )  # fmt: skip
+            except UpstreamError as exc:
+                if not exc.unreachable or attempt == len(urls) - 1:
+                    raise
+                log.warning("prefill instance %s unreachable; trying the next", url)
+                continue
+            return url, data
+        raise AssertionError("unreachable: _order returns at least one instance")
 
     def _checked_kv(self, url: str, kv: Any) -> dict[str, Any]:
         """Prefill's ``kv_transfer_params`` for decode; 502 when there are none or (with a
@@ -618,16 +778,21 @@ class Proxy:
         headers: dict[str, str],
         out_headers: dict[str, str],
         retry_inline: dict[str, Any] | None = None,
+        release: Callable[[], None] = lambda: None,
     ) -> Response | None:
         """Decode's answer, passed back; ``None`` instead when ``retry_inline`` is given
         and the answer is an error (or a stream that opens with one) saying that an
-        encoded item could not be loaded, before any token."""
+        encoded item could not be loaded, before any token. ``release`` is called once
+        the answer has been passed back (the end of a stream)."""
         req = self.client.build_request("POST", url, content=orjson.dumps(body), headers=headers)
         started = time.perf_counter()
         try:
             resp = await self.client.send(req, stream=True)
-        except Exception as exc:
-            raise _unreachable(url, exc, "upstream_unreachable") from None
+        except BaseException as exc:
+            release()
+            if isinstance(exc, Exception):
+                raise _unreachable(url, exc, "upstream_unreachable") from None
+            raise
         self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - started)
         media_type = resp.headers.get("content-type", "application/json")
         if resp.status_code != 200 or not media_type.startswith("text/event-stream"):
@@ -637,6 +802,7 @@ class Proxy:
                 raise _unreachable(url, exc, "upstream_broken") from None
             finally:
                 await resp.aclose()
+                release()
             if retry_inline is not None and _error_code(content) == REFERENCE_FAILED:
                 return None
             return Response(content, resp.status_code, out_headers, media_type)
@@ -645,11 +811,15 @@ class Proxy:
         if retry_inline is not None:
             try:
                 head, code = await _read_opening(chunks)
-            except Exception as exc:
+            except BaseException as exc:
                 await resp.aclose()
-                raise _unreachable(url, exc, "upstream_broken") from None
+                release()
+                if isinstance(exc, Exception):
+                    raise _unreachable(url, exc, "upstream_broken") from None
+                raise
             if code == REFERENCE_FAILED:
                 await resp.aclose()
+                release()
                 return None
 
         async def relay() -> AsyncIterator[bytes]:
@@ -665,11 +835,16 @@ class Proxy:
                 yield b"data: " + error_body(502, message, None, "upstream_broken") + b"\n\n"
             finally:
                 await resp.aclose()
+                release()
 
         return StreamingResponse(relay(), 200, out_headers, media_type)
 
     async def models(self) -> Response:
-        url = self._pick("decode", self.config.decode_urls) + "/v1/models"
+        try:
+            role = self._decode_role()
+            url = self._order(role, b"")[0] + "/v1/models"
+        except UpstreamError as exc:
+            return Response(exc.body, exc.status, media_type="application/json")
         try:
             resp = await self.client.get(url, timeout=self.config.connect_timeout_s * 2)
         except httpx.HTTPError as exc:
@@ -735,14 +910,79 @@ async def _proxy_error(request: Request, exc: Exception) -> Response:
                     media_type="application/json")  # fmt: skip
 
 
+def _admin_refusal(config: ProxyConfig, request: Request) -> Response | None:
+    """403 unless the request carries the admin key in ``X-API-Key`` (vLLM's check)."""
+    given = request.headers.get("x-api-key", "")
+    expected = config.admin_key or ""
+    if expected and hmac.compare_digest(given.encode(), expected.encode()):
+        return None
+    body = error_body(403, "invalid admin API key (X-API-Key)", None, "invalid_admin_key")
+    return Response(body, 403, media_type="application/json")
+
+
+def _list_instances(proxy: Proxy) -> Callable[[], Any]:
+    async def list_instances() -> Response:
+        return JSONResponse(proxy.members.status())
+
+    return list_instances
+
+
+def _registration_routes(app: FastAPI, proxy: Proxy) -> None:
+    """``GET`` / ``POST`` / ``DELETE /instances``: vLLM's EPD-proxy registration API."""
+    members = proxy.members
+
+    async def register(request: Request) -> Response:
+        refusal = _admin_refusal(proxy.config, request)
+        if refusal is not None:
+            return refusal
+        try:
+            instance = parse_registration(orjson.loads(await request.body()))
+            created = members.register(instance)
+        except orjson.JSONDecodeError as exc:
+            body = error_body(400, f"the body is not valid JSON: {exc}", None, "invalid_json")
+            return Response(body, 400, media_type="application/json")
+        except BadRecord as exc:
+            body = error_body(400, str(exc), exc.param, "invalid_value")
+            return Response(body, 400, media_type="application/json")
+        except MembershipConflict as exc:
+            body = error_body(409, str(exc), "role", "conflict")
+            return Response(body, 409, media_type="application/json")
+        return JSONResponse({"registered": created})
+
+    async def unregister(request: Request) -> Response:
+        refusal = _admin_refusal(proxy.config, request)
+        if refusal is not None:
+            return refusal
+        try:
+            url = parse_url(request.query_params.get("url"))
+        except BadRecord as exc:
+            body = error_body(400, str(exc), exc.param, "invalid_value")
+            return Response(body, 400, media_type="application/json")
+        return JSONResponse({"removed": members.unregister(url)})
+
+    app.add_api_route("/instances", _list_instances(proxy), methods=["GET"])
+    app.add_api_route("/instances", register, methods=["POST"])
+    app.add_api_route("/instances", unregister, methods=["DELETE"])
+
+
 def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     proxy = Proxy(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        proxy.members.start(proxy.client)
+        try:
+            yield
+        finally:
+            await proxy.members.stop()
+
     app = FastAPI(
         title="ec-frontend proxy",
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
         exception_handlers={Exception: _proxy_error, HTTPException: http_error},
+        lifespan=lifespan,
     )
 
     def route(path: str, endpoint: str) -> Any:
@@ -754,15 +994,19 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     for path, endpoint in ROUTES.items():
         app.add_api_route(path, route(path, endpoint), methods=["POST"])
 
-    health = RoleHealth(
-        proxy.client,
-        {
-            "decode": config.decode_urls,
-            "prefill": config.prefill_urls,
-            "encode": config.encode_urls,
-        },
-        config.connect_timeout_s,
-    )
+    def health_roles() -> dict[str, tuple[str, ...]]:
+        status = proxy.members.status()
+
+        def urls(*roles: str) -> tuple[str, ...]:
+            return tuple(u for r in roles for key in ("live", "evicted") for u in status[r][key])
+
+        return {
+            "decode": urls("decode", "prefill_decode"),
+            "prefill": urls("prefill"),
+            "encode": urls("encode"),
+        }
+
+    health = RoleHealth(proxy.client, health_roles, config.connect_timeout_s)
 
     async def metrics() -> Response:
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -773,4 +1017,8 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
+    if config.membership.dynamic_registration:
+        _registration_routes(app, proxy)
+    else:
+        app.add_api_route("/instances", _list_instances(proxy), methods=["GET"])
     return app, proxy

@@ -21,6 +21,10 @@ from ec_frontend.entrypoints.http.protocol import (
     uvicorn_http_settings,
 )
 
+#: The environment variable holding the key that ``POST`` / ``DELETE /instances``
+#: need in ``X-API-Key`` (vLLM's EPD proxy's name).
+ADMIN_KEY_ENV = "ADMIN_API_KEY"
+
 log = logging.getLogger("ec_frontend.proxy")
 
 
@@ -61,10 +65,28 @@ class _CommaUrls(argparse.Action):
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
     from ec_frontend.entrypoints.http.cli_args import add_log_args
     from ec_frontend.entrypoints.proxy.app import ProxyConfig
+    from ec_frontend.entrypoints.proxy.membership import (
+        DEFAULT_EVICTED_TTL,
+        DEFAULT_FAIL_THRESHOLD,
+        DEFAULT_PROBE_INTERVAL,
+        DEFAULT_PROBE_TIMEOUT,
+    )
+    from ec_frontend.entrypoints.proxy.routing import (
+        DEFAULT_LOAD_FACTOR,
+        ENCODER_POLICIES,
+        PREFILL_POLICIES,
+    )
 
     p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances")
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances (1+)")
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="decode instances (prefill+decode ones when there is no --prefill); "
+        "required unless --dynamic-registration",
+    )
     for role in ("encode", "prefill", "decode"):
         p.add_argument(
             f"--{role}-servers-urls",
@@ -79,6 +101,55 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer KEY` on every route but /health "
         "(env: EC_FRONTEND_API_KEY or VLLM_API_KEY)",
     )
+    r = p.add_argument_group("routing and membership (see docs/disaggregation.md)")
+    r.add_argument(
+        "--encoder-routing",
+        choices=ENCODER_POLICIES,
+        default="affinity",
+        help="which encoder gets a media item: by its content identity (rendezvous hashing "
+        "with bounded load), or each in turn (default %(default)s)",
+    )
+    r.add_argument(
+        "--routing",
+        choices=PREFILL_POLICIES,
+        default="cache-aware",
+        help="which prefill (or prefill+decode) instance gets a request: by its prompt "
+        "prefix with bounded load, the least loaded, or each in turn (default %(default)s)",
+    )
+    r.add_argument(
+        "--load-factor",
+        type=float,
+        default=DEFAULT_LOAD_FACTOR,
+        help="how far above the mean in-flight load a keyed pick lets one instance go "
+        "before the key moves on (default %(default)s)",
+    )
+    r.add_argument(
+        "--dynamic-registration",
+        action="store_true",
+        help=f"accept instances at run time on POST/DELETE /instances (vLLM's EPD-proxy "
+        f"API; the admin key comes from ${ADMIN_KEY_ENV}, sent as X-API-Key)",
+    )
+    r.add_argument(
+        "--probe-interval",
+        type=float,
+        default=DEFAULT_PROBE_INTERVAL,
+        help="seconds between health probes; 0 turns probing off (default %(default)s)",
+    )
+    r.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=DEFAULT_PROBE_TIMEOUT,
+        help="seconds a health probe may take (default %(default)s)",
+    )
+    r.add_argument(
+        "--fail-threshold",
+        type=int,
+        default=DEFAULT_FAIL_THRESHOLD,
+        help="failures in a row that take an instance out of rotation (default %(default)s)",
+    )
+    r.add_argument("--evicted-ttl", type=float, default=DEFAULT_EVICTED_TTL,
+                   help="seconds a registered instance may stay out of rotation before it is "
+                   "forgotten; 0 keeps probing it (default %(default)s)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
@@ -104,6 +175,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ec_frontend.entrypoints.proxy.app import ProxyConfig, build_proxy_app
+    from ec_frontend.entrypoints.proxy.membership import MembershipConfig
 
     strip = lambda urls: tuple(u.rstrip("/") for u in urls)  # noqa: E731
     try:
@@ -120,6 +192,17 @@ def run_proxy(args: argparse.Namespace) -> int:
             transfer_secret=TransferTrust.from_options(
                 args.transfer_secret, args.transfer_secret_file
             ).secret,
+            encoder_routing=args.encoder_routing,
+            routing=args.routing,
+            load_factor=args.load_factor,
+            membership=MembershipConfig(
+                dynamic_registration=args.dynamic_registration,
+                probe_interval=args.probe_interval,
+                probe_timeout=args.probe_timeout,
+                fail_threshold=args.fail_threshold,
+                evicted_ttl=args.evicted_ttl,
+            ),
+            admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)
@@ -139,7 +222,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         log_level=level,
         log_config=logs.uvicorn_log_config(level),
         access_log=False,
-        lifespan="off",
+        lifespan="on",
         server_header=False,
         **uvicorn_http_settings(
             replace(http_limits(args), max_connections=connection_cap(args.max_connections)),
@@ -148,13 +231,16 @@ def run_proxy(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(uv)
     log.info(
-        "proxy on http://%s:%d: encode %s, prefill %s, decode %s; API key %s, transfer "
-        "secret %s, access log %s",
+        "proxy on http://%s:%d: encode %s, prefill %s, decode %s; routing: encoders %s, "
+        "prefill %s%s; API key %s, transfer secret %s, access log %s",
         args.host,
         args.port,
         list(config.encode_urls),
         list(config.prefill_urls),
         list(config.decode_urls),
+        config.encoder_routing,
+        config.routing,
+        "; dynamic registration on /instances" if args.dynamic_registration else "",
         "on" if api_key else "off",
         "on" if config.transfer_secret else "off",
         "on" if args.access_log else "off",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -46,10 +47,14 @@ _PROBE_EVERY_S = 1.0
 class RoleHealth:
     """``/health`` of the proxy: see the module docstring."""
 
-    def __init__(self, client: httpx.AsyncClient, roles: dict[str, tuple[str, ...]],
-                 timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        roles: Callable[[], dict[str, tuple[str, ...]]],
+        timeout_s: float,
+    ) -> None:
         self.client = client
-        self.roles = {role: urls for role, urls in roles.items() if urls}
+        self.roles = roles  # the instances of each role now, live or out of rotation
         self.timeout_s = timeout_s
         self._at = -1e9
         self._down: list[str] = []
@@ -66,7 +71,9 @@ class RoleHealth:
         async with self._lock:
             if time.monotonic() - self._at >= _PROBE_EVERY_S:
                 down = []
-                for role, urls in self.roles.items():
+                for role, urls in self.roles().items():
+                    if not urls:
+                        continue
                     results = await asyncio.gather(*(self._up(u) for u in urls))
                     if not any(results):
                         down.append(role)

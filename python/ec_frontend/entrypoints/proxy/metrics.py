@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ec_frontend.metrics import PREFIX, Counter, Histogram, exposition, refused_connections
 
 
@@ -37,6 +39,30 @@ class ProxyMetrics:
             PREFIX + "proxy_prefills_total",
             "Requests whose prompt a prefill instance computed for a decode instance.",
         )
+        self.routed = Counter(
+            PREFIX + "proxy_routed_total",
+            "Requests the routing policy sent to an instance (fallbacks included),"
+            " by role, instance and policy.",
+            ("role", "instance", "policy"),
+        )
+        self.affinity_hits = Counter(
+            PREFIX + "proxy_affinity_hits_total",
+            "Routed requests that went to their key's own instance (the first in its"
+            " rendezvous order among the live ones), by role, instance and policy.",
+            ("role", "instance", "policy"),
+        )
+        self.reroutes = Counter(
+            PREFIX + "proxy_reroutes_total",
+            "Requests sent on to the next instance of a role because one failed.",
+            ("role",),
+        )
+        self.ejections = Counter(
+            PREFIX + "proxy_ejections_total",
+            "Instances taken out of rotation after failing --fail-threshold times in a row.",
+            ("role", "instance"),
+        )
+        #: Requests in flight from this proxy per ``(role, instance)``: the routing load.
+        self.in_flight: dict[tuple[str, str], int] = {}
         self.refused = refused_connections()
 
         self.encode_seconds = Histogram(
@@ -51,6 +77,13 @@ class ProxyMetrics:
             "Time from sending a request to decode until its response headers arrived.",
         )
 
+    def render_in_flight(self) -> Iterable[str]:
+        name = PREFIX + "proxy_in_flight"
+        yield f"# HELP {name} Requests in flight from this proxy, by role and instance."
+        yield f"# TYPE {name} gauge"
+        for (role, instance), value in sorted(self.in_flight.items()):
+            yield f'{name}{{role="{role}",instance="{instance}"}} {value}'
+
     def render(self) -> bytes:
         metrics: tuple[Counter | Histogram, ...] = (
             self.requests,
@@ -59,9 +92,14 @@ class ProxyMetrics:
             self.encoder_fallbacks,
             self.reference_retries,
             self.prefills,
+            self.routed,
+            self.affinity_hits,
+            self.reroutes,
+            self.ejections,
             self.refused,
             self.encode_seconds,
             self.prefill_seconds,
             self.decode_first_byte_seconds,
         )
-        return exposition(line for metric in metrics for line in metric.render()).encode()
+        lines = [line for metric in metrics for line in metric.render()]
+        return exposition([*lines, *self.render_in_flight()]).encode()
