@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -103,6 +104,9 @@ class Proc:
         cmd = [*(program or (sys.executable, "-m", "ec_frontend.entrypoints.cli")), command]
         cmd += ["--port", str(self.port), "--log-level", "warning", *args]
         self.logfile = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        # A process a test only killed (or that failed to start) still has its log
+        # closed, once this object goes: no ResourceWarning lands in a later test.
+        weakref.finalize(self, self.logfile.close)
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
             cmd, stdout=self.logfile, stderr=subprocess.STDOUT, env=full_env

@@ -69,7 +69,9 @@ def test_chat_image_with_transfer_params_and_stream_parity(client: openai.OpenAI
     r = client.chat.completions.create(**kwargs)
     extra = r.model_extra or {}
     kv = extra["kv_transfer_params"]
-    assert kv["connector"] == "EchoKVConnector" and kv["received"] == KV
+    # The connector receives the request's params with the server's stamp of who asked.
+    assert kv["connector"] == "EchoKVConnector"
+    assert kv["received"] == {**KV, "hold_client": "127.0.0.1"}
     assert kv["extra_args_keys"] == ["ec_transfer_params", "kv_transfer_params"]
     assert kv["num_blocks"] >= 1
     assert extra["ec_transfer_params"] == {"connector": "EchoECConnector", "received": EC}
@@ -80,7 +82,7 @@ def test_chat_image_with_transfer_params_and_stream_parity(client: openai.OpenAI
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1
     final_extra = finals[0].model_extra or {}
-    assert final_extra["kv_transfer_params"]["received"] == KV
+    assert final_extra["kv_transfer_params"]["received"] == {**KV, "hold_client": "127.0.0.1"}
     assert final_extra["ec_transfer_params"] == {"connector": "EchoECConnector", "received": EC}
     assert all("kv_transfer_params" not in (c.model_extra or {}) for c in chunks if c != finals[0])
 

@@ -89,7 +89,9 @@ def test_chat_stream_with_usage_and_params(client: openai.OpenAI) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
-    assert finals[0].model_extra == {"kv_transfer_params": kv, "ec_transfer_params": ec}
+    # A KV hold request comes back with the server's stamp of who asked (the mock echoes).
+    stamped = {**kv, "hold_client": "127.0.0.1"}
+    assert finals[0].model_extra == {"kv_transfer_params": stamped, "ec_transfer_params": ec}
     others = [c for c in chunks if c is not finals[0]]
     assert all("kv_transfer_params" not in (c.model_extra or {}) for c in others)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None

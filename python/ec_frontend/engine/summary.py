@@ -10,10 +10,13 @@ core does not have is ``None``. :func:`summary_lines` words them for the log.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 def _side_channels(core: Any) -> list[str]:
+    if "ec_frontend.connectors.side_channel_wire" not in sys.modules:
+        return []  # no connector loaded it: no side channel listens (and torch stays out)
     from ec_frontend.connectors.side_channel_wire import SideChannelServer
 
     found: list[str] = []
@@ -34,7 +37,10 @@ def _side_channels(core: Any) -> list[str]:
 
 
 def _weights_bytes(model: Any) -> int | None:
-    """Bytes of the parameters of the model's modules (each tensor counted once)."""
+    """Bytes of the parameters of the model's modules (each tensor counted once); ``None``
+    for a model that is no torch module (the mock engine's, which never loads torch)."""
+    if "torch" not in sys.modules:
+        return None
     from torch import nn
 
     modules = [model] if isinstance(model, nn.Module) else []

@@ -19,6 +19,7 @@ from ec_frontend.entrypoints.http.cli_args import (
     FrontendSettings,
     add_frontend_args,
     add_log_args,
+    human_bytes,
     human_int,
     json_object,
 )
@@ -108,7 +109,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-memory",
-        type=human_int,
+        type=human_bytes,
         default=None,
         help="KV cache bytes, in place of --gpu-memory-utilization (default on the CPU: "
         "256 MiB, or one --max-model-len sequence when that needs more)",

@@ -69,8 +69,6 @@ def _secret_problem(secret: str | None, secret_file: str | None) -> str | None:
             return f"--transfer-secret-file: cannot read {secret_file}: {exc.strerror}"
         if empty:
             return f"--transfer-secret-file {secret_file} is empty"
-    if secret is None and not secret_file and os.environ.get(TRANSFER_SECRET_ENV) == "":
-        return f"${TRANSFER_SECRET_ENV} is set but empty"
     return None
 
 

@@ -38,6 +38,14 @@ def human_int(text: str) -> int | None:
     return None if value == -1 else int(value)
 
 
+def human_bytes(text: str) -> int | None:
+    """A byte count in :func:`human_int`'s forms, where ``-1`` is a negative size (refused
+    by the flag's own check) rather than "the model's own value"; ``auto`` is unset."""
+    if text.strip() == "-1":
+        return -1
+    return human_int(text)
+
+
 def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
