@@ -97,3 +97,21 @@ def test_registered_instances_are_forgotten_after_the_ttl_static_ones_never() ->
 
     asyncio.run(rounds())
     assert m.status()["encode"] == {"live": [], "evicted": ["http://127.0.0.1:9"]}
+
+
+def test_one_command_line_url_in_two_roles_shares_its_health() -> None:
+    m, _, ejected = members(fail_threshold=2)
+    m.add_static(ms.Role.ENCODE, ["http://agg"])
+    m.add_static(ms.Role.PREFILL_DECODE, ["http://agg", "http://pd"])
+    assert m.live(ms.Role.ENCODE) == ["http://agg"]
+    assert m.live(ms.Role.PREFILL_DECODE) == ["http://agg", "http://pd"]
+    with pytest.raises(ms.MembershipConflict):
+        m.register(ms.Instance(ms.Role.ENCODE, "http://pd"))
+    m.report_failure("http://agg")
+    m.report_failure("http://agg")
+    assert m.live(ms.Role.ENCODE) == [] and m.live(ms.Role.PREFILL_DECODE) == ["http://pd"]
+    assert ejected == ["http://agg", "http://agg"]
+    m.report_success("http://agg")
+    assert m.live(ms.Role.ENCODE) == ["http://agg"]
+    assert m.unregister("http://agg") and m.roles() == {ms.Role.PREFILL_DECODE}
+    assert m.live(ms.Role.PREFILL_DECODE) == ["http://pd"]

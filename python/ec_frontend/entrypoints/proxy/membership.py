@@ -6,7 +6,10 @@ Roles are vLLM's EPD-proxy roles: ``encode``, ``prefill``, ``decode`` and
 given on the command line as ``--decode`` with no ``--prefill``). A deployment
 is either E+PD or E+P+D: registering ``prefill_decode`` beside ``prefill`` /
 ``decode`` instances (or the reverse) is a :class:`MembershipConflict`, as is
-changing a known URL's role without unregistering it first.
+changing a registered URL's role without unregistering it first. The command
+line may name one URL in several roles (an aggregated instance serving as both
+encoder and decoder): the roster is keyed by role and URL, and health is the
+URL's, shared by its roles.
 
 With dynamic registration (vLLM's ``--dynamic-registration`` API, served by
 ``app.py``) a launcher adds instances with ``POST /instances`` (a record
@@ -111,7 +114,7 @@ class Membership:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self._instances: dict[str, Instance] = {}
+        self._instances: dict[tuple[Role, str], Instance] = {}
         self._on_eject = on_eject
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
@@ -130,23 +133,27 @@ class Membership:
             instance.role in _SPLIT and Role.PREFILL_DECODE in roles
         ):
             raise MembershipConflict("cannot mix prefill_decode with standalone prefill/decode")
-        known = self._instances.get(instance.url)
+        known = self._instances.get((instance.role, instance.url))
+        if known is None and not instance.static and self._of(instance.url):
+            raise MembershipConflict("unregister the instance before changing its role")
         if known is not None:
-            if known.role is not instance.role:
-                raise MembershipConflict("unregister the instance before changing its role")
             known.ec_zmq_addrs = list(instance.ec_zmq_addrs)
             known.dp_size = instance.dp_size
             return False
-        self._instances[instance.url] = instance
+        self._instances[instance.role, instance.url] = instance
         log.info("instance %s (%s) joined", instance.url, instance.role.value)
         return True
 
     def unregister(self, url: str) -> bool:
-        """Drops an instance for good (a probe cannot bring it back)."""
-        gone = self._instances.pop(url, None)
-        if gone is not None:
-            log.info("instance %s (%s) unregistered", url, gone.role.value)
-        return gone is not None
+        """Drops an instance, in every role, for good (a probe cannot bring it back)."""
+        gone = self._of(url)
+        for instance in gone:
+            del self._instances[instance.role, url]
+            log.info("instance %s (%s) unregistered", url, instance.role.value)
+        return bool(gone)
+
+    def _of(self, url: str) -> list[Instance]:
+        return [i for i in self._instances.values() if i.url == url]
 
     def live(self, role: Role) -> list[str]:
         """The URLs of ``role`` in rotation, in the order they joined."""
@@ -156,7 +163,9 @@ class Membership:
         return {i.role for i in self._instances.values()}
 
     def get(self, url: str) -> Instance | None:
-        return self._instances.get(url)
+        """The instance at ``url`` (the first role it joined in)."""
+        mine = self._of(url)
+        return mine[0] if mine else None
 
     def status(self) -> dict[str, Any]:
         """``{role: {"live": [url], "evicted": [url]}}`` for every role (vLLM's shape)."""
@@ -172,20 +181,21 @@ class Membership:
     # ---- health -------------------------------------------------------------
 
     def report_success(self, url: str) -> None:
-        instance = self._instances.get(url)
-        if instance is None:
-            return
-        instance.failures = 0
-        if instance.evicted_at is not None:
-            instance.evicted_at = None
-            log.info("instance %s (%s) answers again; back in rotation", url, instance.role.value)
+        for instance in self._of(url):
+            instance.failures = 0
+            if instance.evicted_at is not None:
+                instance.evicted_at = None
+                log.info("instance %s (%s) answers again; back in rotation", url,
+                         instance.role.value)  # fmt: skip
 
     def report_failure(self, url: str) -> None:
         """One failed probe or unreachable request; evicts at ``fail_threshold``."""
-        instance = self._instances.get(url)
-        if instance is None:
-            return
         now = self._clock()
+        for instance in self._of(url):
+            self._failed(instance, now)
+
+    def _failed(self, instance: Instance, now: float) -> None:
+        url = instance.url
         instance.failures += 1
         if instance.evicted_at is not None:
             backoff = min(2 ** (instance.failures - self.config.fail_threshold), MAX_BACKOFF)
@@ -208,24 +218,25 @@ class Membership:
         ttl = self.config.evicted_ttl
         if ttl <= 0:
             return
-        for url, instance in list(self._instances.items()):
+        for key, instance in list(self._instances.items()):
             if instance.static or instance.evicted_at is None or now - instance.evicted_at < ttl:
                 continue
-            del self._instances[url]
-            log.warning("instance %s stayed down for %g s; forgotten", url, ttl)
+            del self._instances[key]
+            log.warning("instance %s (%s) stayed down for %g s; forgotten", instance.url,
+                        instance.role.value, ttl)  # fmt: skip
 
     async def probe_once(self, client: httpx.AsyncClient) -> None:
         """One round: every live instance, and the evicted ones whose backoff is over."""
         now = self._clock()
-        due = [i for i in self._instances.values() if i.evicted_at is None or i.next_probe <= now]
-        results = await asyncio.gather(*(self._probe(client, i.url) for i in due))
-        for instance, ok in zip(due, results, strict=True):
-            if self._instances.get(instance.url) is not instance:
-                continue  # unregistered (or replaced) while the probe was out
+        due = list(dict.fromkeys(
+            i.url for i in self._instances.values() if i.evicted_at is None or i.next_probe <= now
+        ))  # fmt: skip
+        results = await asyncio.gather(*(self._probe(client, url) for url in due))
+        for url, ok in zip(due, results, strict=True):
             if ok:
-                self.report_success(instance.url)
+                self.report_success(url)
             else:
-                self.report_failure(instance.url)
+                self.report_failure(url)
         self._forget_expired(self._clock())
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
