@@ -127,7 +127,9 @@ def test_prefill_gone_and_other_layout_fail_the_request(prefill: Any) -> None:
     p, _ = prefill
     params = hand_over(p, "r4", [1, 2, 3])
     gone = resign(params, remote_port=1)
-    result = load(connector("kv_consumer"), caches(), "r4", gone, [1, 2, 3])
+    # A refused connection fails at once; the long deadline keeps a busy machine from
+    # turning it into a timeout (the timeout is the test above).
+    result = load(connector("kv_consumer", timeout_s=10.0), caches(), "r4", gone, [1, 2, 3])
     assert result is not None and "Transfer Engine read" in (result.error or "")
     d = connector("kv_consumer")
     other = [torch.zeros(2, 12, 16, 2, 4) for _ in range(2)]

@@ -12,19 +12,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from ec_frontend.config import ECTransferConfig, TransferTrust, parse_transfer_peers
+from ec_frontend.config import (
+    ECTransferConfig,
+    KVTransferConfig,
+    TransferTrust,
+    parse_transfer_peers,
+)
 from ec_frontend.connectors.base import ECConnectorRole
 from ec_frontend.connectors.ec_side_channel import (
     PULL_WORKERS,
     PULLS_PER_PEER,
     ECSideChannelConnector,
 )
+from ec_frontend.connectors.factory import create_kv_connectors
+from ec_frontend.connectors.kv_base import KVConnectorRole
+from ec_frontend.connectors.kv_pull import PULL_WORKERS as KV_PULL_WORKERS
+from ec_frontend.connectors.kv_pull import PULLS_PER_PEER as KV_PULLS_PER_PEER
+from ec_frontend.connectors.kv_side_channel import KVSideChannelConnector
 from ec_frontend.connectors.peer_pool import PeerPool
-from ec_frontend.connectors.transfer_trust import new_token
+from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, TOKEN_KEY, new_token, signed
 from ec_frontend.engine.request import Request
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.model.processor import MultiModalFeature
@@ -161,3 +172,100 @@ def test_a_plain_pool_of_the_old_size_starves_the_good_peer(
     conn._pool = PeerPool(PULLS_PER_PEER, PULLS_PER_PEER, "old")
     assert good_pull_seconds(conn, drip, good) >= TIMEOUT_S * 0.9
     conn.close()
+
+
+# ---- KV: a decode instance pulling from a dripping prefill and a good one ----------
+
+KV_SECRET = b"kv-pull-pool-test-secret-0123456789"
+KV_PROMPT = list(range(100, 117))  # 17 tokens: 3 blocks of 8
+
+
+def kv_caches() -> list[torch.Tensor]:
+    return [torch.randn(2, 12, 8, 2, 4) for _ in range(2)]
+
+
+def kv_request(rid: str, params: dict[str, Any] | None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, kv_transfer_params=params,
+        status=SimpleNamespace(finish_reason="length"), output_token_ids=[9],
+        num_computed_tokens=len(KV_PROMPT), num_prompt_tokens=len(KV_PROMPT),
+        prompt_token_ids=KV_PROMPT, mrope_position_delta=0,
+    )  # fmt: skip
+
+
+def kv_config(role: str) -> KVTransferConfig:
+    return KVTransferConfig(
+        "KVSideChannelConnector", role, {"port": 0, "timeout_s": TIMEOUT_S},
+        trust=TransferTrust(secret=KV_SECRET),
+    )  # fmt: skip
+
+
+def good_kv_seconds(decode: KVSideChannelConnector) -> tuple[float, int]:
+    """A real prefill holds one request; 2 x KV_PULLS_PER_PEER loads go to a peer that
+    drips its answer, then the good prefill's load is timed until it lands (its bytes
+    checked). Returns that time and the connections the dripping peer accepted."""
+    prefill, prefill_worker = create_kv_connectors(kv_config("kv_producer"))
+    header = frame({"ok": True, "dtype": "float32", "shape": [2, 2, 3, 8, 2, 4],
+                    "nbytes": 2 * 2 * 3 * 8 * 2 * 4 * 4, "num_tokens": len(KV_PROMPT)})  # fmt: skip
+    drip = FakePeer(dripping(header, 0.2))
+    try:
+        src, dst = kv_caches(), kv_caches()
+        prefill_worker.save_kv(src)
+        _, good = prefill.request_finished(kv_request("p0", {"do_remote_decode": True}), [1, 2, 3])
+        assert good is not None
+        bad = {f"bad{i}": redirected(good, drip.port) for i in range(2 * KV_PULLS_PER_PEER)}
+
+        def start(batch: dict[str, dict[str, Any]], blocks: list[int]) -> None:
+            for rid, p in batch.items():
+                req = kv_request(rid, dict(p))
+                assert decode.get_num_new_matched_tokens(req, 0) == (len(KV_PROMPT), True)
+                decode.update_state_after_alloc(req, blocks, len(KV_PROMPT))
+            decode.bind_connector_metadata(decode.build_connector_meta(SimpleNamespace()))
+            decode.start_load_kv(dst)
+
+        start(bad, [0, 1, 2])
+        deadline = time.monotonic() + 2
+        while drip.accepted < KV_PULLS_PER_PEER and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        start({"good": good}, [5, 6, 7])
+        while time.monotonic() - started < 3 * TIMEOUT_S:
+            decode.wait_for_load()
+            _, recving = decode.get_finished(set())
+            if recving and "good" in recving:
+                break
+            time.sleep(0.005)
+        elapsed = time.monotonic() - started
+        result = decode.get_load_result(kv_request("good", None))
+        assert result is not None and result.error is None, result
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[:, [5, 6, 7]], s[:, [1, 2, 3]])
+        return elapsed, drip.accepted
+    finally:
+        decode.close()
+        prefill.close()
+        drip.close()
+
+
+def redirected(params: dict[str, Any], port: int) -> dict[str, Any]:
+    """``params`` pointing at ``port`` with a fresh hold token, signed again (the test
+    plays a prefill that signs and then drips)."""
+    body = {k: v for k, v in params.items() if k != SIGNATURE_KEY}
+    body.update(remote_port=port, **{TOKEN_KEY: new_token()})
+    return signed(KV_SECRET, "kv", params["remote_request_id"], body, 60.0)
+
+
+def test_a_dripping_prefill_holds_at_most_its_share_of_kv_pulls() -> None:
+    decode = KVSideChannelConnector(kv_config("kv_consumer"), KVConnectorRole.WORKER)
+    elapsed, accepted = good_kv_seconds(decode)
+    assert elapsed < TIMEOUT_S / 2, elapsed
+    # The dripping prefill got its share of the threads, the rest waited in its queue.
+    assert accepted == KV_PULLS_PER_PEER < KV_PULL_WORKERS
+
+
+def test_kv_pulls_on_an_unbounded_pool_starve_the_good_prefill() -> None:
+    # The control: every thread may go to the dripping prefill (the old plain pool).
+    decode = KVSideChannelConnector(kv_config("kv_consumer"), KVConnectorRole.WORKER)
+    decode._pool = PeerPool(KV_PULL_WORKERS, KV_PULL_WORKERS, "old")
+    elapsed, accepted = good_kv_seconds(decode)
+    assert elapsed >= TIMEOUT_S * 0.9 and accepted == KV_PULL_WORKERS

@@ -25,9 +25,9 @@ request's KV) and :meth:`~KVPullConnector.land` (the engine thread: put what
 ``transfer`` returned into the cache).
 
 Threads: the scheduler and worker halves run on the engine thread; transfers run
-on the connector's pool of ``PULL_WORKERS`` threads (a plain pool: the per-peer
-bound of :mod:`~ec_frontend.connectors.peer_pool`, which EC pulls have, is not used
-here yet) and a transport's server threads read holds. Everything
+on the connector's pool (:class:`~ec_frontend.connectors.peer_pool.PeerPool`:
+at most ``PULLS_PER_PEER`` of its ``PULL_WORKERS`` threads on one prefill
+instance) and a transport's server threads read holds. Everything
 they share is in :class:`PullState`, under its lock.
 """
 
@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -53,6 +53,7 @@ from ec_frontend.connectors.kv_transfer_params import (
     parse_remote_prefill,
     prompt_hash,
 )
+from ec_frontend.connectors.peer_pool import PeerPool
 from ec_frontend.connectors.transfer_trust import (
     TOKEN_KEY,
     UNTRUSTED,
@@ -73,8 +74,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Transfer threads of one consumer.
+#: Transfer threads of one consumer, and how many of them one prefill instance may
+#: hold: a slow peer keeps at most half, so transfers from other peers go on.
 PULL_WORKERS = 8
+PULLS_PER_PEER = 4
 #: Default share of prefill's KV blocks that the holds of one client may keep.
 CLIENT_HOLD_FRACTION = 0.25
 
@@ -225,7 +228,7 @@ class KVPullConnector(KVConnectorBase):
         self._remote: dict[str, RemotePrefill] = {}
         self._extra: dict[str, Any] = {}
         self._loads: list[Any] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: PeerPool | None = None
         self._recving: set[str] = set()
         self.local_prefill_fallbacks = 0
         self.params_rejected = 0
@@ -387,9 +390,10 @@ class KVPullConnector(KVConnectorBase):
         state.bind_caches(kv_caches)
         for load in getattr(self._metadata, "loads", ()):
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix=self.thread_name)
+                self._pool = PeerPool(PULL_WORKERS, PULLS_PER_PEER, self.thread_name)
             load.started = time.monotonic()
-            future = self._pool.submit(self.transfer, load, kv_caches)
+            peer = (load.remote.host, load.remote.port)
+            future = self._pool.submit(peer, self.transfer, load, kv_caches)
             with state.lock:
                 state.inflight[load.request_id] = (future, load)
 
