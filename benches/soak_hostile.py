@@ -5,11 +5,14 @@ fixed concurrency: a clean phase (only well-formed requests), then a hostile
 phase in which about one request in ten is one of the cheap attacks of issue 15
 (client-chosen transfer peers, oversized processor kwargs, fan-out, a PNG whose
 header claims 30000x30000 pixels, a huge text prompt, a huge header, a long URL,
-a MIME type that lies, a header that trickles in and stops). Every well-formed
-request must answer 200; every hostile one must answer 4xx (never 5xx, never a
-dropped connection), and the loopback listener posing as a peer must receive no
-connection. Reports per phase: requests, errors, latency p50/p99 of the
-well-formed requests, and the server's RSS sampled every few seconds; the
+a MIME type that lies, a header that trickles in and stops, bodies that are not
+JSON or have the wrong types, a grammar of 1,500 choices to compile, and
+clients that drop a stream after its first event). Every well-formed request
+must answer 200; every hostile one must answer 4xx (never 5xx, never a dropped
+connection; the dropped streams and the grammar answer 200), and the loopback
+listener posing as a peer must receive no connection. Reports per phase:
+requests, errors, latency p50/p99 of the well-formed requests, and the RSS of the
+server's processes (API server and engine) sampled every few seconds; the
 hostile phase's p99 is printed as a ratio to the clean phase's.
 
 Run: ``.venv/bin/python benches/soak_hostile.py --clean-s 300 --hostile-s 600``.
@@ -48,6 +51,8 @@ TRICKLE_LIMIT_S = 60.0
 #: Hostile kinds that a server may also answer with 200 by ignoring the untrusted part
 #: (client-chosen transfer peers); the peer listener then must still see no connection.
 IGNORABLE = frozenset({"ec_peers", "kv_peer"})
+#: Hostile kinds that are well-formed for the server and must answer 200.
+ANSWERED = frozenset({"disconnect", "grammar"})
 #: The server runs as an EC and KV consumer, so that client-chosen peers are a real threat.
 CONSUMER_ARGS = [
     "--ec-transfer-config",
@@ -167,6 +172,23 @@ def hostile_requests(peer_port: int) -> list[tuple[str, Any]]:
         ("huge_header", "huge_header"),
         ("long_url", "long_url"),
         ("trickle", "trickle"),
+        ("not_json", ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"')),
+        (
+            "wrong_types",
+            ("/v1/chat/completions", {"messages": "hi", "max_tokens": "many", "n": [1]}),
+        ),
+        ("disconnect", "disconnect"),
+        (
+            "grammar",
+            (
+                "/v1/chat/completions",
+                chat(
+                    "pick one",
+                    max_tokens=4,
+                    structured_outputs={"choice": [f"choice number {i}" for i in range(1500)]},
+                ),
+            ),
+        ),
     ]
 
 
@@ -204,10 +226,18 @@ def raw_exchange(port: int, kind: str) -> int:
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """The resident memory of ``pid`` and its descendants (the engine process)."""
+    total = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += rss_kib(int(child))
+    except OSError:
+        pass
+    return total
 
 
 async def phase(
@@ -259,19 +289,37 @@ async def phase(
             if status not in (200, -1):
                 errors.append(f"good HTTP {status}")
 
+        async def drop_stream(i: int) -> int:
+            """A streamed request whose client goes away after the first event."""
+            _, body = good_request(2 * i, images)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_bytes():
+                    break
+                return r.status_code
+
         async def send_hostile(kind: str, spec: Any) -> None:
-            if isinstance(spec, str):
+            if spec == "disconnect":
+                try:
+                    status = await drop_stream(counter)
+                except httpx.HTTPError as e:
+                    status = -1
+                    errors.append(f"hostile {kind} {type(e).__name__}")
+            elif isinstance(spec, str):
                 status = await asyncio.to_thread(raw_exchange, port, spec)
             else:
                 path, body = spec() if callable(spec) else spec
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 try:
-                    r = await client.post(path, content=json.dumps(body).encode())
+                    r = await client.post(path, content=data)
                     status = r.status_code
                 except httpx.HTTPError as e:
                     status = -1
                     errors.append(f"hostile {kind} {type(e).__name__}")
             bad[f"{kind}:{status}"] += 1
-            if not (400 <= status < 500 or (status == 200 and kind in IGNORABLE)):
+            if kind in ANSWERED:
+                if status != 200:
+                    errors.append(f"hostile {kind} answered {status}")
+            elif not (400 <= status < 500 or (status == 200 and kind in IGNORABLE)):
                 errors.append(f"hostile {kind} answered {status}")
 
         async def worker() -> None:
