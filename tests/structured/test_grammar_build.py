@@ -163,7 +163,8 @@ def test_violations_end_the_request_instead_of_leaving_the_grammar(
     mask = fill_bitmask(None, states, [[], [], [], []], VOCAB)
     bad = grammar_violations(states, mask, [digit, letter, digit, letter])
     assert sorted(bad) == [1, 2]
-    assert all(m.startswith("structured output: the output left its grammar") for m in bad.values())
+    assert bad[1].startswith("structured output: the output left its grammar: token ")
+    assert bad[2].startswith("structured output: the grammar's matcher failed: ")
     assert "lexer fuel exhausted" in bad[2]
     assert outside.failed and not ok.failed
 

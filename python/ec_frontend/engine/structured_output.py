@@ -566,7 +566,7 @@ def grammar_violations(
         if state is None:
             continue
         if state.error is not None:
-            bad[i] = f"{GRAMMAR_FAILURE_PREFIX}the output left its grammar: {state.error}"
+            bad[i] = f"{GRAMMAR_FAILURE_PREFIX}the grammar's matcher failed: {state.error}"
             continue
         token = token_ids[i]
         if words is not None and not (int(words[i, token // 32]) >> (token % 32)) & 1:
