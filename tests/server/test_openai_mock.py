@@ -6,6 +6,7 @@ text of every request is known exactly; see ``engine/mock.py``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -330,7 +331,15 @@ def test_docs_and_openapi(mock_server: ServerProcess) -> None:
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(mock_server.url + path).status_code == 401, path
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    assert httpx.get(mock_server.url + "/docs", headers=auth).status_code == 200
+    for path in ("/docs", "/redoc"):
+        page = httpx.get(mock_server.url + path, headers=auth)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        # Everything is on the page: no script, no stylesheet or image from another host.
+        assert "<script" not in page.text and not re.search(
+            r"(src|href)=['\"]?(https?:)?//", page.text
+        )
+        assert "<code>/v1/chat/completions</code>" in page.text
+        assert "<code>kv_transfer_params</code>" in page.text
     spec = httpx.get(mock_server.url + "/openapi.json", headers=auth).json()
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]

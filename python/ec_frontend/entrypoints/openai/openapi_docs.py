@@ -1,5 +1,8 @@
 """Pydantic models that describe the API on ``/docs``; never used to parse a body.
 
+``/docs`` (and ``/redoc``) is one HTML page rendered here from the OpenAPI document,
+with no script and no asset from another host.
+
 Bodies are parsed by ``ec_frontend._core``. These models mirror what it accepts
 and what the formatters emit, so the OpenAPI document is a true description of
 the wire format: request bodies are attached through ``openapi_extra`` and
@@ -8,10 +11,12 @@ response bodies through ``responses``.
 
 from __future__ import annotations
 
+import html
 from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
@@ -296,7 +301,9 @@ def route_docs(kind: str) -> dict[str, Any]:
 
 
 def install(app: FastAPI) -> None:
-    """Make ``app.openapi()`` include the request schemas referenced by the routes."""
+    """Make ``app.openapi()`` include the request schemas referenced by the routes, and
+    serve ``/docs`` and ``/redoc`` as :func:`render_page` (``app`` is built with
+    ``docs_url=None, redoc_url=None``)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -315,3 +322,63 @@ def install(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(render_page(app.openapi()))
+
+    for path in ("/docs", "/redoc"):
+        app.add_api_route(path, docs, methods=["GET"], include_in_schema=False)
+
+
+def _schema_rows(spec: dict[str, Any], schema: dict[str, Any]) -> str:
+    """The properties of a request schema as table rows (name, type, description)."""
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/components/schemas/"):
+        schema = spec.get("components", {}).get("schemas", {}).get(ref.rsplit("/", 1)[1], {})
+    rows = []
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        kinds = [
+            p.get("type") or p.get("$ref", "").rsplit("/", 1)[-1] for p in prop.get("anyOf", [prop])
+        ]
+        kind = " | ".join(k for k in kinds if k) or "any"
+        mark = " (required)" if name in required else ""
+        rows.append(
+            f"<tr><td><code>{html.escape(name)}</code>{mark}</td><td>{html.escape(kind)}</td>"
+            f"<td>{html.escape(prop.get('description', ''))}</td></tr>"
+        )
+    return "".join(rows)
+
+
+def render_page(spec: dict[str, Any]) -> str:
+    """``/docs``: the OpenAPI document as one HTML page, rendered here with no script
+    and nothing fetched from another host (the server may have no internet access,
+    and a CDN would see every operator who opens it)."""
+    info = spec.get("info", {})
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(info.get('title', 'API'))} API</title><style>",
+        "body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}",
+        "code{background:#f3f3f3;padding:0 .2em}table{border-collapse:collapse;width:100%}",
+        "td{border-top:1px solid #ddd;padding:.2em .4em;vertical-align:top}",
+        ".m{font-weight:bold;text-transform:uppercase;display:inline-block;width:4.5em}",
+        "</style></head><body>",
+        f"<h1>{html.escape(info.get('title', 'API'))} {html.escape(info.get('version', ''))}</h1>",
+        f"<p>{html.escape(info.get('summary', ''))}</p>",
+        "<p>The machine-readable description: <a href='openapi.json'>openapi.json</a>.</p>",
+    ]
+    for path, methods in spec.get("paths", {}).items():
+        for method, op in methods.items():
+            parts.append(
+                f"<details><summary><span class='m'>{html.escape(method)}</span> "
+                f"<code>{html.escape(path)}</code> {html.escape(op.get('summary', ''))}</summary>"
+            )
+            if op.get("description"):
+                parts.append(f"<p>{html.escape(op['description'])}</p>")
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            rows = _schema_rows(spec, body.get("schema", {})) if body else ""
+            if rows:
+                parts.append(f"<table>{rows}</table>")
+            parts.append("</details>")
+    parts.append("</body></html>")
+    return "".join(parts)

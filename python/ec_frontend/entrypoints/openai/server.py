@@ -476,6 +476,8 @@ def build_app(engine: EngineClient[Any], config: ServerConfig) -> tuple[FrontMid
         title="ec-frontend",
         summary="OpenAI-compatible serving for vision-language models (E/P/D disaggregation)",
         version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
         exception_handlers={
             Exception: _handle_error,
             StarletteHTTPException: _handle_error,
