@@ -115,3 +115,23 @@ def test_one_command_line_url_in_two_roles_shares_its_health() -> None:
     assert m.live(ms.Role.ENCODE) == ["http://agg"]
     assert m.unregister("http://agg") and m.roles() == {ms.Role.PREFILL_DECODE}
     assert m.live(ms.Role.PREFILL_DECODE) == ["http://pd"]
+
+
+def test_an_instance_that_never_answered_is_probed_every_interval() -> None:
+    m, clock, _ = members(probe_interval=1.0, fail_threshold=1)
+    m.add_static(ms.Role.ENCODE, ["http://starting", "http://known"])
+    m.report_success("http://known")
+    waits: dict[str, list[float]] = {"http://starting": [], "http://known": []}
+    for _ in range(5):
+        for url, seen in waits.items():
+            m.report_failure(url)
+            inst = m.get(url)
+            assert inst is not None
+            seen.append(inst.next_probe - clock.now)
+    # Still starting: every interval. Known and gone: backing off.
+    assert waits["http://starting"] == [1.0] * 5
+    assert waits["http://known"] == [1.0, 2.0, 4.0, ms.MAX_BACKOFF, ms.MAX_BACKOFF]
+    assert m.live(ms.Role.ENCODE) == []
+    assert m.evicted(ms.Role.ENCODE) == ["http://starting", "http://known"]
+    m.report(url="http://starting", ok=True)
+    assert m.live(ms.Role.ENCODE) == ["http://starting"]

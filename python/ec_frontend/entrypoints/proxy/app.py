@@ -403,20 +403,28 @@ class Proxy:
         return bool(self.members.roles() & {Role.PREFILL, Role.DECODE})
 
     def _order(self, role: Role, key: bytes) -> list[str]:
-        """The live instances of ``role`` for ``key``: the policy's pick, then its fallbacks."""
-        candidates = self.members.live(role)
+        """The live instances of ``role`` for ``key``: the policy's pick, then its fallbacks
+        (with none live, those out of rotation, except encoders: without one, the
+        consumer encodes; see ``membership.py``)."""
+        candidates = self._candidates(role)
         if not candidates:
             message = f"no {role.value} instance is in rotation"
             raise UpstreamError(503, error_body(503, message, None, "no_instance"))
         loads = {url: self.metrics.in_flight.get((role.value, url), 0) for url in candidates}
         return self.routers[role].order(key, candidates, loads)
 
+    def _candidates(self, role: Role) -> list[str]:
+        """The instances in rotation; with none, those out of it (a last resort, for
+        every role but encoders)."""
+        live = self.members.live(role)
+        return live if live or role is Role.ENCODE else self.members.evicted(role)
+
     def _routed(self, role: Role, url: str, key: bytes, attempt: int) -> None:
         labels = (role.value, url, self.routers[role].policy)
         self.metrics.routed.inc(labels)
         if attempt:
             self.metrics.reroutes.inc((role.value,))
-        elif url == rendezvous_order(key, self.members.live(role))[0]:
+        elif url == rendezvous_order(key, self._candidates(role))[0]:
             self.metrics.affinity_hits.inc(labels)
 
     def _load(self, role: Role, url: str) -> Callable[[], None]:
@@ -1006,7 +1014,9 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
             "encode": urls("encode"),
         }
 
-    health = RoleHealth(proxy.client, health_roles, config.connect_timeout_s)
+    health = RoleHealth(
+        proxy.client, health_roles, config.connect_timeout_s, report=proxy.members.report
+    )
 
     async def metrics() -> Response:
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")

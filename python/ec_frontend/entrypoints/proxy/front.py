@@ -52,10 +52,12 @@ class RoleHealth:
         client: httpx.AsyncClient,
         roles: Callable[[], dict[str, tuple[str, ...]]],
         timeout_s: float,
+        report: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.client = client
         self.roles = roles  # the instances of each role now, live or out of rotation
         self.timeout_s = timeout_s
+        self.report = report  # each probe's result, for the membership
         self._at = -1e9
         self._down: list[str] = []
         self._lock = asyncio.Lock()
@@ -75,6 +77,9 @@ class RoleHealth:
                     if not urls:
                         continue
                     results = await asyncio.gather(*(self._up(u) for u in urls))
+                    if self.report is not None:
+                        for url, ok in zip(urls, results, strict=True):
+                            self.report(url, ok)
                     if not any(results):
                         down.append(role)
                 self._down, self._at = down, time.monotonic()

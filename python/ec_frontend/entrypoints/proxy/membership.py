@@ -21,11 +21,16 @@ probed with ``probe_timeout``. A live instance that fails ``fail_threshold``
 probes in a row (a request that cannot reach it counts as a failed probe) is
 evicted: taken out of rotation and probed with backoff (the interval doubled
 per failed probe, at most ``MAX_BACKOFF`` intervals) until it answers, when it
-is live again. A registered instance evicted for ``evicted_ttl`` seconds is
-forgotten (0 keeps probing it forever); instances from the command line are
-never forgotten. Nothing here is shared between proxy replicas: replicas given
-the same instances see the same live set once their probes agree, and the
-routing policies (``routing.py``) are functions of that set.
+is live again. An instance that has never answered is still starting (a proxy
+is often started beside instances that load a model for a minute): it is probed
+every interval, without backoff, so it joins the rotation at most one interval
+after it comes up. When every instance of a role is out of rotation, requests
+go to them anyway, in the policy's order (a last resort: an answer puts the
+instance back at once, a refused connection fails fast). A registered instance
+evicted for ``evicted_ttl`` seconds is forgotten (0 keeps probing it forever);
+instances from the command line are never forgotten. Nothing here is shared
+between proxy replicas: replicas given the same instances see the same live set
+once their probes agree, and the routing policies (``routing.py``) are functions of that set.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class Instance:
     dp_size: int = 1
     static: bool = False
     failures: int = 0
+    answered: bool = False
     evicted_at: float | None = None
     next_probe: float = 0.0
 
@@ -159,6 +165,11 @@ class Membership:
         """The URLs of ``role`` in rotation, in the order they joined."""
         return [i.url for i in self._instances.values() if i.role is role and i.evicted_at is None]
 
+    def evicted(self, role: Role) -> list[str]:
+        """The URLs of ``role`` out of rotation, in the order they joined."""
+        mine = self._instances.values()
+        return [i.url for i in mine if i.role is role and i.evicted_at is not None]
+
     def roles(self) -> set[Role]:
         return {i.role for i in self._instances.values()}
 
@@ -183,10 +194,18 @@ class Membership:
     def report_success(self, url: str) -> None:
         for instance in self._of(url):
             instance.failures = 0
+            instance.answered = True
             if instance.evicted_at is not None:
                 instance.evicted_at = None
                 log.info("instance %s (%s) answers again; back in rotation", url,
                          instance.role.value)  # fmt: skip
+
+    def report(self, url: str, ok: bool) -> None:
+        """One probe's result (``/health`` of the proxy probes too)."""
+        if ok:
+            self.report_success(url)
+        else:
+            self.report_failure(url)
 
     def report_failure(self, url: str) -> None:
         """One failed probe or unreachable request; evicts at ``fail_threshold``."""
@@ -198,7 +217,9 @@ class Membership:
         url = instance.url
         instance.failures += 1
         if instance.evicted_at is not None:
-            backoff = min(2 ** (instance.failures - self.config.fail_threshold), MAX_BACKOFF)
+            backoff = 1
+            if instance.answered:
+                backoff = min(2 ** (instance.failures - self.config.fail_threshold), MAX_BACKOFF)
             instance.next_probe = now + backoff * self.config.probe_interval
             return
         if instance.failures < self.config.fail_threshold:
@@ -233,10 +254,7 @@ class Membership:
         ))  # fmt: skip
         results = await asyncio.gather(*(self._probe(client, url) for url in due))
         for url, ok in zip(due, results, strict=True):
-            if ok:
-                self.report_success(url)
-            else:
-                self.report_failure(url)
+            self.report(url, ok)
         self._forget_expired(self._clock())
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
