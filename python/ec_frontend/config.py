@@ -351,6 +351,11 @@ class SchedulerConfig:
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 #: Attention paths over the paged KV cache (``--attention-backend``; ``auto`` picks).
 ATTENTION_BACKENDS = ("sdpa", "gather", "triton")
+#: Why ``--attention-backend triton`` cannot run where it was asked for.
+TRITON_BACKEND_NEEDS = (
+    "--attention-backend triton needs Triton and a CUDA device "
+    "(or Triton's interpreter: TRITON_INTERPRET=1)"
+)
 #: Block sizes the paged attention accepts (``--block-size``).
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 

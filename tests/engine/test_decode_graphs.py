@@ -227,6 +227,12 @@ def run_schedule(graphed: bool, checkpoint: str | None = None) -> dict[str, Any]
     }
 
 
+#: The Qwen3-VL decoder of the schedule: the families' tiny one (q/k norms, its own
+#: head_dim, DeepStack rows added after layers 0 and 1) with 2 layers and one KV
+#: head, so that Triton's interpreter runs a third of the decode programs.
+QWEN3_TEXT = {"num_hidden_layers": 2, "num_key_value_heads": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_graphed_decode_steps_give_the_eager_tokens(family: str, tmp_path: Path) -> None:
@@ -234,9 +240,10 @@ def test_graphed_decode_steps_give_the_eager_tokens(family: str, tmp_path: Path)
     transformers (its own decoder: q/k norms, DeepStack rows in the input)."""
     checkpoint = ""
     if family == "qwen3_vl":
-        from ..families.conftest import write_qwen3_vl
+        from ..families.conftest import TINY_QWEN3_TEXT, write_qwen3_vl
 
-        checkpoint = str(write_qwen3_vl(tmp_path / "qwen3-vl"))
+        text = {**TINY_QWEN3_TEXT, **QWEN3_TEXT}
+        checkpoint = str(write_qwen3_vl(tmp_path / "qwen3-vl", text=text))
     code = (
         "import json, sys\n"
         "from tests.engine.test_decode_graphs import run_schedule\n"

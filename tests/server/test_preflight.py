@@ -43,6 +43,8 @@ def _checkpoint(tmp: Path, weights: bytes | None, config: str = "{}") -> Path:
     return tmp
 
 
+#: A safetensors file of no tensors: an 8-byte header length, then the header ``{}``.
+EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"
 Args = Callable[[Path, int], list[str]]
 CASES: list[tuple[str, Args, str]] = [
     ("port", lambda t, port: ["--port", str(port)], "cannot bind 127.0.0.1:"),
@@ -89,6 +91,17 @@ CASES: list[tuple[str, Args, str]] = [
         lambda t, p: ["--model", str(_checkpoint(t / "c", b"\xff" * 64))],
         "is not a safetensors file",
     ),
+    (
+        "no image processor config",
+        lambda t, p: ["--model", str(_checkpoint(t / "c", EMPTY_SAFETENSORS))],
+        "has no image processor config",
+    ),
+    ("engine size", lambda t, p: ["--block-size", "7"], "--block-size must be one of 8, 16"),
+    (
+        "triton on the cpu",
+        lambda t, p: ["--attention-backend", "triton"],
+        "--attention-backend triton needs Triton and a CUDA device",
+    ),
 ]
 
 
@@ -123,5 +136,6 @@ def test_exits_2_before_the_model_loads(
 
 
 def _env(args: list[str]) -> dict[str, str]:
-    """This environment without a transfer secret."""
-    return {k: v for k, v in os.environ.items() if k != "EC_FRONTEND_TRANSFER_SECRET"}
+    """This environment without a transfer secret and without Triton's interpreter."""
+    unset = ("EC_FRONTEND_TRANSFER_SECRET", "TRITON_INTERPRET")
+    return {k: v for k, v in os.environ.items() if k not in unset}

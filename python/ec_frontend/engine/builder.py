@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ec_frontend.config import (
     BLOCK_SIZES,
     TRANSFER_SECRET_ENV,
+    TRITON_BACKEND_NEEDS,
     CacheConfig,
     ECTransferConfig,
     EngineConfig,
@@ -191,6 +192,23 @@ def _scheduler_args(opts: EngineArgs, max_len: int) -> dict[str, Any]:
             raise _flag_error("max-num-batched-tokens", "must be > 0", opts.max_num_batched_tokens)
         sched["max_num_batched_tokens"] = opts.max_num_batched_tokens
     return sched
+
+
+def flag_problem(opts: EngineArgs) -> str | None:
+    """The first engine flag that cannot work whatever the checkpoint, as an error line
+    (the same line the engine's own checks give); imports nothing heavy, so the command
+    line runs it before the model loads. A cache and scheduler size out of range, or
+    ``--attention-backend triton`` on ``--device cpu`` without Triton's interpreter."""
+    try:
+        cache_config(opts, 0)
+        _scheduler_args(opts, 1)
+    except ConfigError as exc:
+        return str(exc)
+    device = (opts.device or "").split(":")[0]
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if opts.attention_backend == "triton" and device == "cpu" and not interpreting:
+        return TRITON_BACKEND_NEEDS
+    return None
 
 
 def _warn_untrusted(

@@ -475,10 +475,12 @@ def chat_template(value: str | None) -> str | None:
 
 def preflight_problem(args: argparse.Namespace) -> str | None:
     """What would stop the server after the model loaded, found before it loads."""
+    from ec_frontend.engine.builder import flag_problem
     from ec_frontend.entrypoints import preflight
 
     return (
-        preflight.transfer_problem(
+        (None if args.mock_engine else flag_problem(args))
+        or preflight.transfer_problem(
             args.ec_transfer_config,
             args.kv_transfer_config,
             args.transfer_secret,

@@ -11,7 +11,11 @@ or torch is imported:
   listens on a non-loopback address has a secret to authenticate its peers
   (:func:`transfer_problem`);
 * the checkpoint can be read: ``config.json`` parses, the tokenizer and the
-  safetensors files are there and their headers read (:func:`checkpoint_problem`).
+  safetensors files are there and their headers read, and so does the image
+  processor config (:func:`checkpoint_problem`);
+* the engine's flags are in range: the cache and scheduler sizes, and
+  ``--attention-backend triton`` only where it can run
+  (``ec_frontend.engine.builder.flag_problem``).
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from ec_frontend.config import (
     TransferTrust,
 )
 from ec_frontend.errors import ConfigError
+from ec_frontend.model.checkpoint_files import image_processor_problem, tokenizer_problem
 
 #: Side-channel connectors -> the environment variables naming their listening host.
 SIDE_CHANNEL_HOST_ENV = {
     "ECSideChannelConnector": ("EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_HOST"),
     "KVSideChannelConnector": ("KV_SIDE_CHANNEL_HOST", "VLLM_KV_SIDE_CHANNEL_HOST"),
 }
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -217,17 +221,19 @@ def checkpoint_problem(model: str | None, load_format: str, revision: str | None
         return f"--model {model}: {config} cannot be read: not JSON"
     if not isinstance(parsed, dict):
         return f"--model {model}: {config} is not a JSON object"
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        return (
-            f"--model {model}: {directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})"
-        )
-    if load_format == "dummy":
-        return None
+    problem = tokenizer_problem(directory)
+    if problem is None and load_format != "dummy":
+        problem = _weights_problem(directory)
+    problem = problem or image_processor_problem(directory)
+    return None if problem is None else f"--model {model}: {problem}"
+
+
+def _weights_problem(directory: Path) -> str | None:
     weights = sorted(directory.glob("*.safetensors"))
     if not weights:
-        return f"--model {model}: no *.safetensors weights (--load-format dummy for random ones)"
+        return "no *.safetensors weights (--load-format dummy for random ones)"
     for path in weights:
         problem = _safetensors_problem(path)
         if problem is not None:
-            return f"--model {model}: {problem}"
+            return problem
     return None

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
+from ec_frontend.model.checkpoint_files import image_processor_problem, tokenizer_problem
 from ec_frontend.model.errors import ModelLoadError
 from ec_frontend.model.paged_attention import resolve_backend
 from ec_frontend.model.processor import InputProcessor
@@ -72,7 +73,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -267,15 +267,9 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
     directory = Path(path)
     config = load_config(directory)
     family = family_for(config)
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"{directory} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})"
-        )
-    if not _has_image_processor_config(directory):
-        raise ModelLoadError(
-            f"{directory} has no image processor config (preprocessor_config.json, or "
-            "processor_config.json with an image_processor entry)"
-        )
+    missing = tokenizer_problem(directory) or image_processor_problem(directory)
+    if missing is not None:
+        raise ModelLoadError(missing)
     try:
         processor_class: type[InputProcessor] = family.processor_type()
         return processor_class.from_pretrained(
@@ -291,16 +285,6 @@ def load_processor(path: str | Path, *, model_id: str = "") -> InputProcessor:
         raise ModelLoadError(
             f"{directory}: tokenizer or image processor cannot load: {exc}"
         ) from None
-
-
-def _has_image_processor_config(directory: Path) -> bool:
-    if (directory / "preprocessor_config.json").is_file():
-        return True
-    combined = directory / "processor_config.json"
-    try:
-        return "image_processor" in json.loads(combined.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 _PART_NAMES = {"vision": "vision tower", "language": "language model"}

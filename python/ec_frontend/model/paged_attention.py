@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ec_frontend.config import ATTENTION_BACKENDS
+from ec_frontend.config import ATTENTION_BACKENDS, TRITON_BACKEND_NEEDS
 from ec_frontend.errors import ConfigError
 from ec_frontend.model.interface import AttentionMetadata
 
@@ -55,11 +55,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
             "attention_backend",
         )
     if name == "triton" and not (triton_available() and (device.type == "cuda" or interpreting())):
-        raise ConfigError(
-            "--attention-backend triton needs Triton and a CUDA device "
-            "(or Triton's interpreter: TRITON_INTERPRET=1)",
-            "attention_backend",
-        )
+        raise ConfigError(TRITON_BACKEND_NEEDS, "attention_backend")
     return name
 
 
