@@ -1,0 +1,62 @@
+"""The docs and the command line agree: every flag that ``--help`` shows is
+described in the docs, and every flag of the server's flag table exists.
+
+``serve``'s flags are documented in ``docs/server.md``; the proxy's in
+``docs/disaggregation.md``, ``docs/server.md`` (the shared log flags) and
+``docs/security.md`` (the shared HTTP limits). The parser is the real one, built
+in-process (no server starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from ec_frontend.entrypoints.cli import build_parser
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+WHERE = {
+    "serve": ("server.md",),
+    "proxy": ("disaggregation.md", "server.md", "security.md"),
+}
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices[name]
+    return parser
+
+
+def _shown_flags(parser: argparse.ArgumentParser) -> list[list[str]]:
+    """Each option ``--help`` shows, as its long spellings (aliases together)."""
+    flags = []
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if longs and action.help != argparse.SUPPRESS:
+            flags.append(longs)
+    return flags
+
+
+@pytest.mark.parametrize("command", sorted(WHERE))
+def test_every_flag_in_help_is_documented(command: str) -> None:
+    text = "".join((DOCS / name).read_text() for name in WHERE[command])
+    flags = _shown_flags(_subcommand(command))
+    assert len(flags) > 30
+    missing = [
+        spellings[0]
+        for spellings in flags
+        if not any(re.search(re.escape(f) + r"(?![\w-])", text) for f in spellings)
+    ]
+    assert missing == [], f"flags of `{command} --help` not in {WHERE[command]}: {missing}"
+
+
+def test_every_flag_of_the_server_table_exists() -> None:
+    known = {o for a in _subcommand("serve")._actions for o in a.option_strings}
+    rows = [
+        line for line in (DOCS / "server.md").read_text().splitlines() if line.startswith("| `")
+    ]
+    mentioned = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row)}
+    assert len(mentioned) > 50
+    assert sorted(mentioned - known) == []
