@@ -164,3 +164,41 @@ def test_other_errors_are_not_retried() -> None:
     r = post(app, BODY)
     assert r.status_code == 400 and len(seen["d"]) == 1
     assert proxy.metrics.reference_retries.get() == 0
+
+
+def test_an_instance_that_fails_requests_is_retried_elsewhere_and_evicted() -> None:
+    """``d1`` answers every request with a 500 (its ``/health`` would say 200): each
+    such request goes on to ``d2``, and ``d1`` leaves the rotation after
+    ``fail_threshold`` failures in a row. A 503 from the last instance is passed back."""
+    seen: dict[str, int] = {}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        seen[host] = seen.get(host, 0) + 1
+        if host == "d1":
+            error = {"message": "engine failed", "type": "internal_error", "param": None,
+                     "code": "internal_error"}  # fmt: skip
+            return httpx.Response(500, json={"error": error})
+        return httpx.Response(200, json={"object": "chat.completion", "choices": []})
+
+    text = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    config = ProxyConfig((), decode_urls=("http://d1", "http://d2"), routing="round-robin")
+    app, proxy = build_proxy_app(config)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    answers = [post(app, text).status_code for _ in range(8)]
+    assert answers == [200] * 8
+    threshold = config.membership.fail_threshold
+    assert seen["d1"] == threshold and seen["d2"] == 8
+    assert proxy.members.evicted(proxy._decode_role()) == ["http://d1"]
+    assert proxy.metrics.reroutes.get(("prefill_decode",)) == threshold
+
+    def busy(request: httpx.Request) -> httpx.Response:
+        error = {"message": "draining", "type": "server_error", "param": None,
+                 "code": "draining"}  # fmt: skip
+        return httpx.Response(503, json={"error": error})
+
+    alone = ProxyConfig((), decode_urls=("http://d",))
+    app, proxy = build_proxy_app(alone)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(busy))
+    r = post(app, text)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "draining"

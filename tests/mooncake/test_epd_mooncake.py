@@ -197,6 +197,38 @@ def test_an_item_evicted_before_pd_reads_it(dep: dict[str, Any]) -> None:
         raw.close()
 
 
+def test_an_item_in_the_store_is_not_encoded_again_by_another_encoder(
+    dep: dict[str, Any], builtin_model_dir: Path
+) -> None:
+    """Two encoders on one store (vLLM's ``cross_encoder_cache``): an image encoded by
+    ``e`` (through ``E+PD1``) is found in the store by ``e2`` (a proxy in front of
+    ``e2`` and ``p``), which does not compute it; ``p`` loads it and answers as the
+    aggregated instance does."""
+    image = png_data_url(70, (zlib.crc32(b"cross") % 256, 90, 140))
+    msgs = messages("What is this?", image)
+    want = chat(dep["agg"], msgs, stream=False)
+    before = metrics(dep, "e", "p")
+    assert chat(dep["E+PD1"], msgs, stream=False) == want
+    assert delta(before, dep, "e", "encoder_items_computed_total") == 1
+    e2 = serve(builtin_model_dir, "e2", ec=store_ec("ec_producer", dep["master"]))
+    px = proxy("px_e2", encode=[e2.url], decode=[dep["p"].url])
+    try:
+        start_all([e2, px])
+        assert chat(px, msgs, stream=True) == want
+        assert e2.metric("encoder_items_computed_total") == 0
+        assert e2.metric("encoder_items_found_stored_total") == 1
+        assert delta(before, dep, "p", "encoder_items_computed_total") == 0
+        assert delta(before, dep, "p", "ec_items_loaded_total") == 1
+        # A new image is still computed by e2, once.
+        other = messages("And this?", png_data_url(70, (10, 200, 90)))
+        assert chat(px, other, stream=False) == chat(dep["agg"], other, stream=False)
+        assert e2.metric("encoder_items_computed_total") == 1
+        assert_idle(dep, "p")
+    finally:
+        px.stop()
+        e2.stop()
+
+
 def test_prefill_params_for_a_dead_prefill_fail_cleanly(
     dep: dict[str, Any], builtin_model_dir: Path
 ) -> None:

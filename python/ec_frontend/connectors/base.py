@@ -69,6 +69,11 @@ class ECConnectorBase(ConnectorHalf, ABC):
     once and passes it to both; a half created alone gets its own.
     """
 
+    #: What a producer saves, every instance of the deployment can read while the
+    #: store keeps it (a shared store, not a point-to-point hand-over): an encoder then
+    #: looks there before computing an item (vLLM's ``cross_encoder_cache``).
+    shares_outputs: bool = False
+
     def __init__(self, config: ECTransferConfig | None, role: ECConnectorRole) -> None:
         self.config = config
         self.role = role

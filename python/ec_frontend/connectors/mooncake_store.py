@@ -601,6 +601,8 @@ class MooncakeStoreECConnector(ECQueuedLoadsConnector):
         super().__init__(config, role)
         self.store = shared if shared is not None else self.create_shared(config)
 
+    shares_outputs = True
+
     @classmethod
     def create_shared(cls, config: ECTransferConfig) -> EmbeddingStore:
         """One Store client per engine: both halves use it."""

@@ -316,6 +316,7 @@ class EngineCore:
         return EngineStats(
             encoder_items_computed_total=rc.encoder_items_computed,
             encoder_cache_hits_total=sc.encoder_cache_hits,
+            encoder_items_found_stored_total=sc.encoder_items_found_stored,
             ec_items_loaded_total=rc.ec_items_loaded,
             ec_items_saved_total=rc.ec_items_saved,
             ec_load_fallbacks_total=rc.ec_load_fallbacks,

@@ -10,7 +10,7 @@ reserves the space once the scheduler has admitted the chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ def no_source(feature: MultiModalFeature) -> str:
 class EncoderPlan:
     """Feature indices to ``encode`` and to ``load``; the (possibly shortened) chunk
     length; the encoder budget left; an ``error`` for an item with no source; the
-    number of cache ``hits`` the request gained."""
+    number of cache ``hits`` the request gained, and the items an encoder found
+    ``stored`` by another instance (not computed again)."""
 
     encode: list[int]
     load: list[int]
@@ -51,6 +52,7 @@ class EncoderPlan:
     encoder_budget: int
     error: str | None = None
     hits: int = 0
+    stored: list[str] = field(default_factory=list)
 
 
 class EncoderInputPlanner:
@@ -61,10 +63,21 @@ class EncoderInputPlanner:
         encoder_cache: EncoderCacheManager,
         ec_connector: ECConnectorBase | None,
         full_budget: int,
+        *,
+        encoder_only: bool = False,
     ) -> None:
         self.encoder_cache = encoder_cache
         self.ec_connector = ec_connector
         self.full_budget = full_budget
+        #: An encoder-only producer on a shared store skips items already in it: the
+        #: consumers load them from there, whichever encoder computed them.
+        self.skip_stored = (
+            encoder_only
+            and ec_connector is not None
+            and ec_connector.shares_outputs
+            and ec_connector.is_producer
+            and not ec_connector.is_consumer
+        )
 
     def plan(self, request: Request, start: int, num_new: int, encoder_budget: int) -> EncoderPlan:
         """Which items the chunk ``[start, start + num_new)`` needs, and from where.
@@ -78,6 +91,7 @@ class EncoderInputPlanner:
         seen: set[str] = set()
         rows = 0
         hits = 0
+        stored: list[str] = []
         end = start + num_new
         ec_connector = self.ec_connector
         consumer = ec_connector is not None and ec_connector.is_consumer
@@ -90,6 +104,14 @@ class EncoderInputPlanner:
                 continue
             if self.encoder_cache.check_and_update_cache(request, i):
                 hits += 1
+                continue
+            if (
+                self.skip_stored
+                and ec_connector is not None
+                and ec_connector.has_cache_item(feature.mm_hash, request)
+            ):
+                stored.append(feature.mm_hash)
+                seen.add(feature.mm_hash)
                 continue
             loadable = (
                 consumer
@@ -112,7 +134,7 @@ class EncoderInputPlanner:
                 encoder_budget -= feature.length
             seen.add(feature.mm_hash)
             rows += feature.length
-        return EncoderPlan(encode, load, max(0, num_new), encoder_budget, hits=hits)
+        return EncoderPlan(encode, load, max(0, num_new), encoder_budget, hits=hits, stored=stored)
 
     def commit(self, request: Request, plan: EncoderPlan) -> None:
         """Reserve cache space for the plan's items; announce loads to the connector."""

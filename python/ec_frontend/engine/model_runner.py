@@ -234,7 +234,7 @@ class ModelRunner:
         jobs: dict[str, _EncodeJob] = {}
         for item in so.scheduled:
             for feature in self._needed_features(item):
-                if feature.mm_hash in self.encoder_cache:
+                if feature.mm_hash in self.encoder_cache or feature.mm_hash in so.stored_mm_hashes:
                     continue
                 job = jobs.get(feature.mm_hash)
                 if job is None:

@@ -45,6 +45,8 @@ class SchedulerCounters:
     prompt_tokens_computed: int = 0
     kv_tokens_received: int = 0
     encoder_cache_hits: int = 0
+    #: Items an encoder found in the shared store and did not compute.
+    encoder_items_found_stored: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
     #: Prompt tokens of requests looked up in the prefix cache, and how many it held
@@ -76,10 +78,14 @@ class Scheduler:
         self.ec_connector = ec_connector
         self.kv_connector = kv_connector
         self.encoder_only = kv_cache is None
-        self._planner = EncoderInputPlanner(encoder_cache, ec_connector, config.encoder_budget)
+        self._planner = EncoderInputPlanner(
+            encoder_cache, ec_connector, config.encoder_budget, encoder_only=self.encoder_only
+        )
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        #: Items of this step an encoder found in the shared store (not to be encoded).
+        self._step_stored: set[str] = set()
         self.running: list[Request] = []
         self._remote_kv: dict[str, tuple[Request, int]] = {}
         self._ec_fetching: list[Request] = []
@@ -263,7 +269,9 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
             free_encoder_mm_hashes=self.encoder_cache.take_freed_mm_hashes(),
+            stored_mm_hashes=self._step_stored,
         )
+        self._step_stored = set()
         self._finished_req_ids = set()
         if self.ec_connector is not None:
             out.ec_connector_metadata = self.ec_connector.build_connector_meta(out)
@@ -435,6 +443,8 @@ class Scheduler:
     def _commit(self, request: Request, plan: EncoderPlan) -> None:
         self._planner.commit(request, plan)
         self.counters.encoder_cache_hits += plan.hits
+        self.counters.encoder_items_found_stored += len(plan.stored)
+        self._step_stored.update(plan.stored)
 
     # ---- results ------------------------------------------------------------
 

@@ -81,6 +81,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    #: Items this step needs that an encoder found in the shared store: not encoded.
+    stored_mm_hashes: set[str] = field(default_factory=set)
     ec_connector_metadata: ECConnectorMetadata | None = None
     kv_connector_metadata: KVConnectorMetadata | None = None
 

@@ -32,6 +32,7 @@ class EngineStats:
     # counters
     encoder_items_computed_total: int = 0
     encoder_cache_hits_total: int = 0
+    encoder_items_found_stored_total: int = 0
     ec_items_loaded_total: int = 0
     ec_items_saved_total: int = 0
     ec_load_fallbacks_total: int = 0

@@ -154,15 +154,25 @@ class ProxyConfig:
                 raise ValueError(f"not an http(s) URL: {url!r}")
 
 
+#: An instance's own failures (not the client's): the request may go to another
+#: instance of the role, and they count toward the instance's eviction.
+SERVER_FAILURES = frozenset({500, 502, 503, 504})
+
+
 class UpstreamError(Exception):
     """An instance answered with an error (passed back) or could not be reached (502,
-    ``unreachable``: the request may go to another instance of the role)."""
+    ``unreachable``). ``failed``: unreachable, or it answered one of
+    :data:`SERVER_FAILURES`: the request may go to another instance of the role."""
 
     def __init__(self, status: int, body: bytes, unreachable: bool = False) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
         self.unreachable = unreachable
+
+    @property
+    def failed(self) -> bool:
+        return self.unreachable or self.status in SERVER_FAILURES
 
 
 def check_body(endpoint: str, body: dict[str, Any], disaggregated: bool) -> tuple[str, str] | None:
@@ -442,9 +452,10 @@ class Proxy:
         return release
 
     def _outcome(self, url: str, exc: UpstreamError | None) -> None:
-        """Health news from a request: an instance that could not be reached counts
-        toward its eviction, any answer resets that count."""
-        if exc is not None and exc.unreachable:
+        """Health news from a request: an instance that could not be reached or failed
+        the request itself (:data:`SERVER_FAILURES`) counts toward its eviction, any
+        other answer resets that count."""
+        if exc is not None and exc.failed:
             self.members.report_failure(url)
         else:
             self.members.report_success(url)
@@ -709,9 +720,10 @@ class Proxy:
                     )
             except UpstreamError as exc:
                 self._outcome(base, exc)
-                if not exc.unreachable or attempt == len(urls) - 1:
+                if not exc.failed or attempt == len(urls) - 1:
                     raise
-                log.warning("%s instance %s unreachable; trying the next", role.value, base)
+                log.warning("%s instance %s failed (%d); trying the next", role.value, base,
+                            exc.status)  # fmt: skip
                 continue
             self._outcome(base, None)
             assert response is not None
@@ -749,9 +761,9 @@ class Proxy:
                             self.config.timeout_s,
                         )  # fmt: skip
             except UpstreamError as exc:
-                if not exc.unreachable or attempt == len(urls) - 1:
+                if not exc.failed or attempt == len(urls) - 1:
                     raise
-                log.warning("prefill instance %s unreachable; trying the next", url)
+                log.warning("prefill instance %s failed (%d); trying the next", url, exc.status)
                 continue
             return url, data
         raise AssertionError("unreachable: _order returns at least one instance")
@@ -813,6 +825,8 @@ class Proxy:
                 release()
             if retry_inline is not None and _error_code(content) == REFERENCE_FAILED:
                 return None
+            if resp.status_code in SERVER_FAILURES:
+                raise UpstreamError(resp.status_code, content)
             return Response(content, resp.status_code, out_headers, media_type)
         chunks = resp.aiter_raw()
         head = b""

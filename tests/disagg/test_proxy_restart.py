@@ -1,0 +1,103 @@
+"""A proxy killed and restarted mid-run (issue 31's faults).
+
+Real processes on 127.0.0.1: a mock-engine instance that registers itself with
+the proxy (``serve --register-with``, every 0.5 s) and a proxy with
+``--dynamic-registration`` on a fixed port. Streams are in flight through the
+proxy when it is killed with SIGKILL:
+
+* every in-flight client gets an error at once (none hangs);
+* the instance sees its clients go and ends their requests (nothing stays running);
+* a proxy restarted on the same port knows nothing, learns the instance from its
+  next announcement, and serves again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from ..helpers.processes import Proc, free_port
+
+pytestmark = pytest.mark.slow
+
+ADMIN_KEY = "restart-admin-key"
+ANNOUNCE_S = 0.5
+STREAMS = 4
+
+
+def _proxy(port: int) -> Proc:
+    args = ["--dynamic-registration", "--probe-interval", "0.5", "--port", str(port)]
+    proc = Proc("proxy", args, "px", env={"ADMIN_API_KEY": ADMIN_KEY})
+    proc.port, proc.url = port, f"http://127.0.0.1:{port}"
+    return proc
+
+
+def _serving(px: Proc, timeout_s: float) -> float:
+    """Seconds until a request through ``px`` is answered 200."""
+    started = time.monotonic()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    while True:
+        assert px.proc.poll() is None, px.log()
+        try:
+            if httpx.post(px.url + "/v1/chat/completions", json=body, timeout=5).status_code == 200:
+                return time.monotonic() - started
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() - started < timeout_s, px.log()
+        time.sleep(0.05)
+
+
+def test_a_proxy_killed_mid_run_fails_its_streams_and_a_new_one_serves_again() -> None:
+    port = free_port()
+    px = _proxy(port)
+    args = ["--mock-engine", "--mock-token-latency-ms", "20", "--register-with",
+            f"http://127.0.0.1:{port}", "--register-role", "prefill_decode",
+            "--register-interval", str(ANNOUNCE_S)]  # fmt: skip
+    server = Proc("serve", args, "pd", env={"ADMIN_API_KEY": ADMIN_KEY}).wait_ready()
+    try:
+        _serving(px, timeout_s=60)
+        outcomes: list[tuple[str, float]] = []
+
+        def stream() -> None:
+            body = {"messages": [{"role": "user", "content": "x" * 64}], "max_tokens": 500,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
+            try:
+                with httpx.stream("POST", px.url + "/v1/chat/completions", json=body,
+                                  timeout=60) as r:  # fmt: skip
+                    for _ in r.iter_bytes():
+                        pass
+                outcomes.append(("finished", time.monotonic()))
+            except httpx.HTTPError as exc:
+                outcomes.append((type(exc).__name__, time.monotonic()))
+
+        threads = [threading.Thread(target=stream) for _ in range(STREAMS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while server.metric("num_requests_running") < STREAMS:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        px.kill()
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        # Every stream broke off when the proxy died, well before its 500 tokens
+        # (10 s at 20 ms a token) could have finished.
+        assert len(outcomes) == STREAMS and all(kind != "finished" for kind, _ in outcomes)
+        assert max(at for _, at in outcomes) - killed < 2.0
+        # The instance saw its clients go: nothing keeps running there.
+        deadline = time.monotonic() + 10
+        while server.metric("num_requests_running") > 0:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        px = _proxy(port)
+        # Learned again from the instance's next announcement.
+        assert _serving(px, timeout_s=30) < 10 * ANNOUNCE_S + 10
+        status = httpx.get(px.url + "/instances").json()
+        assert status["prefill_decode"]["live"] == [server.url]
+    finally:
+        px.stop()
+        server.stop()
