@@ -17,8 +17,8 @@ in-process (tok/s), the issue's 0.9x goal. Writes
 ``benches/results/bench_hot_path.json``.
 
 Run: ``.venv/bin/python benches/bench_hot_path.py --baseline DIR [--rounds 5]``.
-``--profile SECONDS`` instead samples the ``after`` API server with py-spy under
-the same load and prints its top frames.
+``--profile SECONDS`` instead samples the ``after`` server's API and engine
+processes with py-spy under the same load and prints their top frames.
 """
 
 from __future__ import annotations
@@ -69,19 +69,26 @@ def measure(server: Server, opts: argparse.Namespace, seed: int) -> dict[str, An
 
 
 def profile(opts: argparse.Namespace) -> None:
+    """py-spy both processes of the ``after`` server under load; top frames of each."""
     args, env = servers(None)["after"]
     server = Server(args, env)
     try:
         spy = Path(sys.executable).with_name("py-spy")
-        out = RESULTS.with_name("bench_hot_path_profile.txt")
-        rec = subprocess.Popen(
-            [str(spy), "record", "--pid", str(server.proc.pid), "--format", "raw", "--nonblocking",
-             "--duration", str(opts.profile), "--output", str(out)],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        while rec.poll() is None:
+        targets = {"api": server.proc.pid, "engine": server.engine_pids[0]}
+        outs = {name: RESULTS.with_name(f"bench_hot_path_profile_{name}.txt") for name in targets}
+        recs = [
+            subprocess.Popen(
+                [str(spy), "record", "--pid", str(pid), "--format", "raw", "--nonblocking",
+                 "--duration", str(opts.profile), "--output", str(outs[name])],
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            for name, pid in targets.items()
+        ]
+        while any(r.poll() is None for r in recs):
             asyncio.run(run_level(server, opts.concurrency, opts.requests, opts.max_tokens, 1, False))
-        print_top(out)
+        for name, out in outs.items():
+            print(f"== {name} process")
+            print_top(out)
     finally:
         server.stop()
 
