@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine_proc import Server, run_level  # noqa: E402
+from bench_engine_proc import Server, run_level
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results" / "bench_hot_path.json"
@@ -76,16 +76,14 @@ def profile(opts: argparse.Namespace) -> None:
         spy = Path(sys.executable).with_name("py-spy")
         targets = {"api": server.proc.pid, "engine": server.engine_pids[0]}
         outs = {name: RESULTS.with_name(f"bench_hot_path_profile_{name}.txt") for name in targets}
-        recs = [
-            subprocess.Popen(
-                [str(spy), "record", "--pid", str(pid), "--format", "raw", "--nonblocking",
-                 "--duration", str(opts.profile), "--output", str(outs[name])],
-                stdout=subprocess.DEVNULL,
-            )  # fmt: skip
-            for name, pid in targets.items()
-        ]
+        recs = []
+        for name, pid in targets.items():
+            cmd = [str(spy), "record", "--pid", str(pid), "--format", "raw", "--nonblocking"]
+            cmd += ["--duration", str(opts.profile), "--output", str(outs[name])]
+            recs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+        level = (opts.concurrency, opts.requests, opts.max_tokens, 1, False)
         while any(r.poll() is None for r in recs):
-            asyncio.run(run_level(server, opts.concurrency, opts.requests, opts.max_tokens, 1, False))
+            asyncio.run(run_level(server, *level))
         for name, out in outs.items():
             print(f"== {name} process")
             print_top(out)
@@ -148,7 +146,9 @@ def main() -> None:
     }
     ratios: dict[str, float] = {}
     if "before" in med:
-        ratios["tok_s_after_over_before"] = med["after"]["output_tok_s"] / med["before"]["output_tok_s"]
+        ratios["tok_s_after_over_before"] = (
+            med["after"]["output_tok_s"] / med["before"]["output_tok_s"]
+        )
         ratios["api_cpu_per_token_before_over_after"] = (
             med["before"]["api_cpu_us_per_token"] / med["after"]["api_cpu_us_per_token"]
         )
@@ -159,18 +159,14 @@ def main() -> None:
         med["after"]["output_tok_s"] / med["inprocess"]["output_tok_s"]
     )
     ratios = {k: round(v, 3) for k, v in ratios.items()}
+    host = {"cpus": os.cpu_count(), "load": os.getloadavg()}
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"command": command, "host": host, "medians": med, "ratios": ratios, "rounds": runs}
+    opts.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, m in med.items():
         print(f"median {name:9s} {m}")
     print(ratios)
-    report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "host": {"cpus": os.cpu_count(), "load": os.getloadavg()},
-        "medians": med,
-        "ratios": ratios,
-        "rounds": runs,
-    }
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {opts.out}")
 
 

@@ -456,9 +456,7 @@ class EventStream(Response):
         watch = _DisconnectWatch(receive, task)
         watch.arm()
         try:
-            await send(
-                {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-            )
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.disarm()
