@@ -4,7 +4,7 @@ task, and a client disconnect that closes the stream instead of failing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
@@ -34,7 +34,7 @@ class _Client:
 def _run(*, cancel: bool) -> dict[str, Any]:
     state: dict[str, Any] = {"closed": False, "released": False}
 
-    async def chunks() -> AsyncIterator[bytes]:
+    async def chunks() -> AsyncGenerator[bytes, None]:
         try:
             for i in range(3):
                 yield b"data: %d\n\n" % i
@@ -82,24 +82,34 @@ def test_the_stream_is_closed_and_the_background_runs(cancel: bool, outcome: str
     assert (state["closed"], state["released"], state["outcome"]) == (True, True, outcome)
 
 
-def test_a_finished_stream_ends_the_body() -> None:
+@pytest.mark.parametrize(
+    ("chunks", "bodies"),
+    [
+        (
+            [b"data: a\n\n", b"data: [DONE]\n\n"],
+            [(b"data: a\n\n", True), (b"data: [DONE]\n\n", False)],
+        ),
+        ([b"data: a\n\n"], [(b"data: a\n\n", True), (b"", False)]),
+    ],
+    ids=["[DONE] ends the body in its own message", "else an empty end"],
+)
+def test_the_end_of_the_body(chunks: list[bytes], bodies: list[tuple[bytes, bool]]) -> None:
     released: list[bool] = []
 
-    async def chunks() -> AsyncIterator[bytes]:
-        yield b"data: a\n\n"
-        yield b"data: [DONE]\n\n"
+    async def gen() -> AsyncGenerator[bytes, None]:
+        for chunk in chunks:
+            yield chunk
 
     async def release() -> None:
         released.append(True)
 
     async def main() -> list[dict[str, Any]]:
         client = _Client()
-        await EventStream(chunks(), BackgroundTask(release))(
+        await EventStream(gen(), BackgroundTask(release))(
             {"type": "http"}, client.receive, client.send
         )
         return client.sent
 
     sent = asyncio.run(main())
-    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
-    assert bodies == [(b"data: a\n\n", True), (b"data: [DONE]\n\n", True), (b"", False)]
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == bodies
     assert released == [True]

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -404,7 +404,7 @@ def _client(request: Request) -> str:
     return peer.host if peer is not None and peer.host else "unknown"
 
 
-async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _guarded(gen: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     """A stream that ends with an error event and ``[DONE]`` instead of breaking off."""
     try:
         async for chunk in gen:
@@ -436,6 +436,8 @@ def _detokenize_off(parsed: ParsedRequest, body: bytes) -> bool:
 
 class EventStream(Response):
     """A ``text/event-stream`` response: one ASGI body message per chunk of ``chunks``.
+    A chunk that ends with ``data: [DONE]`` ends the body in the same message (one
+    write for the last events and the end of the chunked body).
 
     A client that disconnects cancels the stream (its generator is closed, which
     aborts its engine requests), as Starlette's ``StreamingResponse`` does, with one
@@ -445,7 +447,7 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[bytes], background: BackgroundTask) -> None:
+    def __init__(self, chunks: AsyncGenerator[bytes, None], background: BackgroundTask) -> None:
         self.chunks = chunks
         self.status_code = 200
         self.background = background
@@ -457,10 +459,14 @@ class EventStream(Response):
         watch.arm()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            last = b""
             async for chunk in self.chunks:
+                if chunk.endswith(DONE):
+                    last = chunk
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.disarm()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         except asyncio.CancelledError:
             if not watch.gone or task is None:
                 raise
@@ -468,6 +474,7 @@ class EventStream(Response):
                 task.uncancel()
         finally:
             watch.disarm()
+            await self.chunks.aclose()
             if self.background is not None:
                 await self.background()
 
