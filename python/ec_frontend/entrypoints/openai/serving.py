@@ -606,7 +606,9 @@ class Serving:
         ready = _Ready()
         deltas = self._stream(jobs, started, ready)
         if interval > 1:
-            deltas = _coalesce(deltas, interval)
+            # A delta that is there may be held back to merge with one that is not:
+            # such a stream never says that its next pair is ready.
+            return DeltaStream(_coalesce(deltas, interval), _Ready())
         return DeltaStream(deltas, ready)
 
     async def _stream(
@@ -709,8 +711,8 @@ class DeltaStream:
 
     @property
     def ready(self) -> bool:
-        """True when the next pair comes without waiting (best effort: a pair that
-        the stream merges or skips may leave it waiting after all)."""
+        """True when the next pair comes without waiting (a writer that skips pairs
+        without events asks again after each)."""
         check = self._ready.check
         return check is not None and check()
 
