@@ -42,7 +42,7 @@ from ec_frontend.engine.async_engine import (
 )
 from ec_frontend.engine.core_proc import WELCOME_TIMEOUT_S, EngineProcess, EngineSpec
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
-from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
+from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.stats import EngineStats
 from ec_frontend.engine.wire import (
     ABORT,
@@ -433,11 +433,7 @@ class MPEngineClient:
             held.kv_transfer_params = kv if kv is not None else held.kv_transfer_params
             held.ec_transfer_params = ec if ec is not None else held.ec_transfer_params
             return held
-        logprobs = None
-        if lps is not None:
-            logprobs = [
-                TokenLogprob(t, lp, r, [(tid, p) for tid, p in top]) for t, lp, r, top in lps
-            ]
+        logprobs = lps
         text = ""
         detok = state.detokenizer
         if detok is not None:
