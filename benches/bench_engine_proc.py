@@ -128,14 +128,14 @@ def png_url(seed: int, size: int = 112) -> str:
 
 
 class Server:
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve"]
         cmd += ["--port", str(self.port), "--log-level", "warning", "--served-model-name", "m"]
         cmd += args
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

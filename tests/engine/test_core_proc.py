@@ -294,9 +294,25 @@ def test_mock_core_in_its_process_answers_as_the_in_process_mock() -> None:
             outs.append(await _collect(stream))
         return outs
 
+    async def backlog(engine: Any) -> tuple[bool, int, bool]:
+        """A stream whose request already finished in the engine: every delta is
+        there (``ready``) without waiting, and none is lost or merged."""
+        inputs = engine.processor.process_prompt("a backlog of steps")
+        stream = engine.add_request("backlog", inputs, SamplingParams(max_tokens=8))
+        deadline = time.monotonic() + 30
+        while engine.holds_request("backlog") and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        first = await stream.__anext__()
+        ready = stream.ready()
+        deltas = [first]
+        async for out in stream:
+            deltas.append(out)
+        return ready, sum(len(d.token_ids) for d in deltas), stream.ready()
+
     try:
         want = asyncio.run(run(local))
         got = asyncio.run(run(remote))
+        ready_after_first, backlog_tokens, ready_at_end = asyncio.run(backlog(remote))
         # Its startup is the server's: the mock engine process never loads torch.
         maps = Path(f"/proc/{remote.pid}/maps").read_text()
     finally:
@@ -305,3 +321,4 @@ def test_mock_core_in_its_process_answers_as_the_in_process_mock() -> None:
     for (name, _, _), w, g in zip(MOCK_CASES, want, got, strict=True):
         assert _mock_view(g) == _mock_view(w), name
     assert remote.process is not None and remote.process.proc.returncode == 0
+    assert (ready_after_first, backlog_tokens, ready_at_end) == (True, 8, False)

@@ -63,7 +63,8 @@ class RequestStream:
     """Async iterator over one request's output deltas.
 
     Closing it (``aclose``) or cancelling the task that iterates it before the
-    request finished aborts the request.
+    request finished aborts the request. :meth:`ready` tells a writer whether to
+    wait for more before it writes what it has.
     """
 
     def __init__(self, engine: _Aborts, request_id: str, sink: _Sink) -> None:
@@ -86,6 +87,10 @@ class RequestStream:
         if output.finished:
             self._finished = True
         return output
+
+    def ready(self) -> bool:
+        """Whether the next delta has already arrived (``__anext__`` will not wait)."""
+        return not self._finished and not self._queue.empty()
 
     async def aclose(self) -> None:
         if not self._finished:

@@ -27,6 +27,7 @@ import dataclasses
 import importlib
 import io
 import logging
+import operator
 import os
 import pickle
 import shutil
@@ -606,7 +607,14 @@ class EngineServer:
 
 
 def _stats_values(stats: EngineStats) -> list[int | float]:
-    return [getattr(stats, f.name) for f in dataclasses.fields(stats)]
+    """The snapshot's field values in field order (every step: no per-call reflection)."""
+    global _stats_getter
+    if _stats_getter is None:
+        _stats_getter = operator.attrgetter(*(f.name for f in dataclasses.fields(stats)))
+    return list(_stats_getter(stats))
+
+
+_stats_getter: Callable[[EngineStats], tuple[int | float, ...]] | None = None
 
 
 def _plain(value: object) -> object:

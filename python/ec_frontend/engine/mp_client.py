@@ -14,9 +14,10 @@ waits for the core's final output, which carries the transfer params.
 
 Requests are sent from the event loop's thread; one I/O thread receives the
 engine's messages, turns them into :class:`RequestOutput` deltas and posts them to
-the streams' loops (one wake-up per loop and message). It also watches the
-engine process (a pidfd): when the process is gone, every open stream ends with
-an error, :attr:`is_running` turns false and the death callbacks run.
+the streams' loops (one wake-up per loop for all the messages already there:
+one engine message per step with this client's outputs of the step). It also
+watches the engine process (a pidfd): when the process is gone, every open stream
+ends with an error, :attr:`is_running` turns false and the death callbacks run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ec_frontend.engine.async_engine import (
 )
 from ec_frontend.engine.core_proc import WELCOME_TIMEOUT_S, EngineProcess, EngineSpec
 from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
-from ec_frontend.engine.outputs import RequestOutput, TokenLogprob
+from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.stats import EngineStats
 from ec_frontend.engine.wire import (
     ABORT,
@@ -71,6 +72,8 @@ logger = logging.getLogger(__name__)
 
 #: How often the I/O thread looks at the engine process when nothing arrives (s).
 _WATCH_S = 0.2
+#: Most engine messages the I/O thread decodes before it hands their outputs over.
+_DRAIN_MESSAGES = 64
 #: Prompt tokens given to the streaming decoder as left context.
 _PROMPT_CONTEXT = 5
 
@@ -380,10 +383,22 @@ class MPEngineClient:
                     logger.exception("engine death callback failed")
 
     def _drain(self) -> None:
+        """The messages already received (up to :data:`_DRAIN_MESSAGES`); then one
+        hand-off per loop for all of them: a backlog of steps wakes each loop once,
+        and its streams find every delta there (one write per connection)."""
+        batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
+        try:
+            self._receive(batches)
+        finally:
+            for loop, deliveries in batches.items():
+                _post(loop, deliveries)
+
+    def _receive(self, batches: dict[asyncio.AbstractEventLoop, _Deliveries]) -> None:
         decode = self._out_decoder.decode
-        while True:
+        recv = self._output.recv_multipart
+        for _ in range(_DRAIN_MESSAGES):
             try:
-                frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             message = decode(frames[0].buffer)
@@ -392,7 +407,6 @@ class MPEngineClient:
                 self._held.update(message.held_added)
             if message.held_released:
                 self._held.difference_update(message.held_released)
-            batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
             for item in message.outputs:
                 state = self._requests.get(item.request_id)
                 if state is None:
@@ -404,8 +418,6 @@ class MPEngineClient:
                     with self._lock:
                         self._requests.pop(out.request_id, None)
                 batches.setdefault(state.sink.loop, []).append((state.sink.queue, out))
-            for loop, deliveries in batches.items():
-                _post(loop, deliveries)
 
     def _output_of(self, state: _ClientRequest, item: EngineOutput) -> RequestOutput | None:
         """The delta of one engine output (``None``: nothing to deliver yet)."""
@@ -421,11 +433,7 @@ class MPEngineClient:
             held.kv_transfer_params = kv if kv is not None else held.kv_transfer_params
             held.ec_transfer_params = ec if ec is not None else held.ec_transfer_params
             return held
-        logprobs = None
-        if lps is not None:
-            logprobs = [
-                TokenLogprob(t, lp, r, [(tid, p) for tid, p in top]) for t, lp, r, top in lps
-            ]
+        logprobs = lps
         text = ""
         detok = state.detokenizer
         if detok is not None:

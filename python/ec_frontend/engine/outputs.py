@@ -10,17 +10,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ec_frontend.types import JSONObject
 
 
-@dataclass(slots=True)
-class TokenLogprob:
-    """The logprob of one sampled token and the top alternatives at its step."""
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """The logprob of one sampled token and the top alternatives at its step.
+
+    A msgspec struct: it crosses the engine process's boundary as it is
+    (``[token_id, logprob, rank, top]`` on the wire) and is decoded straight into
+    this type, with no per-token objects rebuilt on the server's side."""
 
     token_id: int
     logprob: float
     rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 @dataclass(slots=True)

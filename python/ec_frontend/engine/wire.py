@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import msgspec
 import zmq
 
+from ec_frontend.engine.outputs import TokenLogprob
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -190,10 +192,6 @@ def pack_params(params: Any) -> dict[str, Any]:
 
 # ---- outputs ------------------------------------------------------------------
 
-#: One sampled token's logprob on the wire: ``(token_id, logprob, rank, top)``, with
-#: ``top`` the ``(token_id, logprob)`` pairs of the most likely tokens.
-WireLogprob = tuple[int, float, int, list[tuple[int, float]]]
-
 
 class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     """One request's delta of one step, as its client sees it (``request_id`` is
@@ -203,7 +201,8 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[WireLogprob] | None = None
+    #: ``[token_id, logprob, rank, top]`` per token (an array-like struct, decoded as it is).
+    logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
@@ -224,15 +223,12 @@ class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag=OUTPUTS):
 
 def pack_output(out: RequestOutput, request_id: str) -> EngineOutput:
     """``out`` for the wire, under the client's ``request_id``."""
-    logprobs = None
-    if out.logprobs is not None:
-        logprobs = [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in out.logprobs]
     return EngineOutput(
         request_id,
         out.token_ids,
         out.finish_reason,
         out.stop_reason,
-        logprobs,
+        out.logprobs,
         out.num_cached_tokens,
         _wire_dict(out.kv_transfer_params),
         _wire_dict(out.ec_transfer_params),

@@ -193,10 +193,16 @@ async def _stream(
         "created": ctx.created,
         "model": ctx.model,
     }
+    # Every chunk starts with ``base`` and, without continuous usage, ends alike:
+    # those bytes are made once, and a chunk serializes only its choice.
+    head = b"data: " + orjson.dumps(base)[:-1] + b',"choices":['
+    tail = b'],"usage":null}\n\n' if usage_on else b"]}\n\n"
 
     def chunk(
         choice: dict[str, Any], extra: dict[str, Any] | None = None, generated: int = 0
     ) -> bytes:
+        if not (extra or continuous):
+            return head + orjson.dumps(choice) + tail
         obj = {**base, "choices": [choice]}
         if extra:
             obj.update(extra)
@@ -215,35 +221,48 @@ async def _stream(
         ids_extra = {"prompt_token_ids": prompt_ids[choice["index"]]} if with_ids else None
         yield chunk(choice, ids_extra)
     seen: dict[int, Choice] = {}
-    async for c, out in serving.stream(jobs, ctx.started, parsed.stream_interval):
-        if c.error is not None:
-            yield stream_error(c.error)
-            yield DONE
-            return
-        seen[c.index] = c
-        finished = out.finished
-        if not (out.token_ids or out.text or out.logprobs or finished):
-            continue
-        choice = {
-            "index": c.index,
-            **fields(c, out),
-            "finish_reason": c.finish_reason if finished else None,
-        }
-        if with_ids:
-            choice["token_ids"] = list(out.token_ids)
-        generated = len(c.token_ids)
-        if finished:
-            choice["stop_reason"] = c.stop_reason
-            params = {
-                "kv_transfer_params": c.kv_transfer_params,
-                "ec_transfer_params": c.ec_transfer_params,
-            }
-            yield chunk(choice, params, generated)
-        else:
-            yield chunk(choice, None, generated)
+    # The events of the deltas that are already there go out in one write; the
+    # last choice's finish waits for the usage chunk and ``[DONE]`` behind it.
+    pending: list[bytes] = []
+    unfinished = len(jobs)
+    deltas = serving.stream(jobs, ctx.started, parsed.stream_interval)
+    try:
+        async for c, out in deltas:
+            if c.error is not None:
+                yield b"".join([*pending, stream_error(c.error), DONE])
+                return
+            seen[c.index] = c
+            finished = out.finished
+            if out.token_ids or out.text or out.logprobs or finished:
+                choice = {
+                    "index": c.index,
+                    **fields(c, out),
+                    "finish_reason": c.finish_reason if finished else None,
+                }
+                if with_ids:
+                    choice["token_ids"] = list(out.token_ids)
+                generated = len(c.token_ids)
+                if finished:
+                    unfinished -= 1
+                    choice["stop_reason"] = c.stop_reason
+                    params = {
+                        "kv_transfer_params": c.kv_transfer_params,
+                        "ec_transfer_params": c.ec_transfer_params,
+                    }
+                    pending.append(chunk(choice, params, generated))
+                else:
+                    pending.append(chunk(choice, None, generated))
+            if pending and unfinished and not deltas.ready:
+                yield b"".join(pending)
+                pending.clear()
+    except Exception:
+        if pending:  # what was ready goes out before the error event
+            yield b"".join(pending)
+        raise
     if usage_on:
-        yield sse({**base, "choices": [], "usage": usage(list(seen.values()))})
-    yield DONE
+        pending.append(sse({**base, "choices": [], "usage": usage(list(seen.values()))}))
+    pending.append(DONE)
+    yield b"".join(pending)
 
 
 def chat_stream(

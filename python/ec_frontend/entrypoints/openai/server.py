@@ -16,7 +16,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
 from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
@@ -59,6 +59,8 @@ from ec_frontend.media import FetchMetrics, MediaFetchConfig, MediaFetcher
 from ec_frontend.metrics import ServerMetrics, render
 
 if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
     from ec_frontend.engine.client import EngineClient
 
 T = TypeVar("T")
@@ -263,14 +265,9 @@ class App:
     def json(body: bytes, status: int = 200) -> Response:
         return Response(body, status_code=status, media_type=_JSON)
 
-    def sse(self, gen: AsyncIterator[bytes], jobs: list[Job]) -> StreamingResponse:
+    def sse(self, gen: AsyncIterator[bytes], jobs: list[Job]) -> EventStream:
         """A stream of ``gen``; the ids of ``jobs`` are released even if it never starts."""
-        return StreamingResponse(
-            _guarded(gen),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache"},
-            background=BackgroundTask(self._release, jobs),
-        )
+        return EventStream(_guarded(gen), BackgroundTask(self._release, jobs))
 
     async def _release(self, jobs: list[Job]) -> None:
         # A coroutine: Starlette runs a plain function's background task on a worker
@@ -284,7 +281,7 @@ class App:
         ``_WATCH_AFTER_S``: short requests pay for a timer, not a task.
         """
         task = asyncio.current_task()
-        watch = _DisconnectWatch(request, task)
+        watch = _DisconnectWatch(request.receive, task)
         handle = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, watch.arm)
         try:
             return await coro
@@ -407,7 +404,7 @@ def _client(request: Request) -> str:
     return peer.host if peer is not None and peer.host else "unknown"
 
 
-async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _guarded(gen: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     """A stream that ends with an error event and ``[DONE]`` instead of breaking off."""
     try:
         async for chunk in gen:
@@ -437,13 +434,58 @@ def _detokenize_off(parsed: ParsedRequest, body: bytes) -> bool:
     return orjson.loads(body).get("sampling_params", {}).get("detokenize") in (False, 0, "false")
 
 
+class EventStream(Response):
+    """A ``text/event-stream`` response: one ASGI body message per chunk of ``chunks``.
+    A chunk that ends with ``data: [DONE]`` ends the body in the same message (one
+    write for the last events and the end of the chunked body).
+
+    A client that disconnects cancels the stream (its generator is closed, which
+    aborts its engine requests), as Starlette's ``StreamingResponse`` does, with one
+    plain task per stream instead of an anyio task group. ``background`` runs after
+    the stream, whether it ended or was cancelled.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], background: BackgroundTask) -> None:
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = background
+        self.init_headers({"cache-control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        watch = _DisconnectWatch(receive, task)
+        watch.arm()
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            last = b""
+            async for chunk in self.chunks:
+                if chunk.endswith(DONE):
+                    last = chunk
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watch.disarm()
+            await send({"type": "http.response.body", "body": last, "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.gone or task is None:
+                raise
+            if hasattr(task, "uncancel"):  # Python 3.11+: undo our own cancel request
+                task.uncancel()
+        finally:
+            watch.disarm()
+            await self.chunks.aclose()
+            if self.background is not None:
+                await self.background()
+
+
 class _DisconnectWatch:
-    """Cancels ``task`` when the client of ``request`` disconnects (once armed)."""
+    """Cancels ``task`` when the client behind ``receive`` disconnects (once armed)."""
 
-    __slots__ = ("gone", "request", "task", "watcher")
+    __slots__ = ("gone", "receive", "task", "watcher")
 
-    def __init__(self, request: Request, task: asyncio.Task[Any] | None) -> None:
-        self.request = request
+    def __init__(self, receive: Receive, task: asyncio.Task[Any] | None) -> None:
+        self.receive = receive
         self.task = task
         self.gone = False
         self.watcher: asyncio.Task[None] | None = None
@@ -457,7 +499,7 @@ class _DisconnectWatch:
 
     async def _watch(self) -> None:
         while True:
-            message = await self.request.receive()
+            message = await self.receive()
             if message["type"] == "http.disconnect":
                 break
         self.gone = True

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -595,28 +595,30 @@ class Serving:
             self.release(jobs)
         return choices
 
-    async def stream(
-        self, jobs: list[Job], started: float, interval: int = 1
-    ) -> AsyncIterator[tuple[Choice, Any]]:
-        """Yield ``(choice, delta)`` as deltas arrive from any job; ``choice`` already holds it.
+    def stream(self, jobs: list[Job], started: float, interval: int = 1) -> DeltaStream:
+        """``(choice, delta)`` as deltas arrive from any job; ``choice`` already holds it.
 
         With ``interval > 1`` (vLLM's ``stream_interval``) a job's deltas are merged
         until they hold ``interval`` tokens; its first delta with tokens and its
         finishing one go out at once. Closing the iterator early aborts every job
         that has not finished.
         """
+        ready = _Ready()
+        deltas = self._stream(jobs, started, ready)
         if interval > 1:
-            async for item in _coalesce(self._stream(jobs, started), interval):
-                yield item
-            return
-        async for item in self._stream(jobs, started):
-            yield item
+            # A delta that is there may be held back to merge with one that is not:
+            # such a stream never says that its next pair is ready.
+            return DeltaStream(_coalesce(deltas, interval), _Ready())
+        return DeltaStream(deltas, ready)
 
-    async def _stream(self, jobs: list[Job], started: float) -> AsyncIterator[tuple[Choice, Any]]:
+    async def _stream(
+        self, jobs: list[Job], started: float, ready: _Ready
+    ) -> AsyncIterator[tuple[Choice, Any]]:
         choices = [self._choice(j) for j in jobs]
         if len(jobs) == 1:
             job, choice = jobs[0], choices[0]
             agen = self._start(job)
+            ready.check = getattr(agen, "ready", None)
             timing = Timing(started)
             try:
                 async for out in agen:
@@ -630,6 +632,7 @@ class Serving:
                 self.release(jobs)
             return
         queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+        ready.check = lambda: not queue.empty()
 
         async def pump(k: int) -> None:
             job = jobs[k]
@@ -674,6 +677,44 @@ class Serving:
             job.prompt_text,
             tools=job.tools,
         )
+
+
+class _Ready:
+    """Whether a stream's next delta has already arrived: ``check`` is set by the
+    stream once it knows its source (``None``: it cannot tell, so never)."""
+
+    __slots__ = ("check",)
+
+    def __init__(self) -> None:
+        self.check: Callable[[], bool] | None = None
+
+
+class DeltaStream:
+    """The ``(choice, delta)`` pairs of :meth:`Serving.stream`, and :attr:`ready`:
+    whether the next pair is already there, so that a writer can gather every event
+    of an engine step (and any backlog) into one write instead of one per event."""
+
+    __slots__ = ("_deltas", "_ready")
+
+    def __init__(self, deltas: AsyncIterator[tuple[Choice, Any]], ready: _Ready) -> None:
+        self._deltas = deltas
+        self._ready = ready
+
+    def __aiter__(self) -> DeltaStream:
+        return self
+
+    def __anext__(self) -> Awaitable[tuple[Choice, Any]]:
+        return self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()  # type: ignore[attr-defined]
+
+    @property
+    def ready(self) -> bool:
+        """True when the next pair comes without waiting (a writer that skips pairs
+        without events asks again after each)."""
+        check = self._ready.check
+        return check is not None and check()
 
 
 async def _coalesce(
