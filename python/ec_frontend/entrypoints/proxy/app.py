@@ -262,7 +262,7 @@ def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
     return UpstreamError(502, error_body(502, f"{url}: {exc!r}", None, code), unreachable=True)
 
 
-def _request_id(value: str | None) -> str:
+def request_id(value: str | None) -> str:
     if value and len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return uuid.uuid4().hex
@@ -599,7 +599,7 @@ class Proxy:
         return Response(exc.body, exc.status, headers, "application/json")
 
     async def handle(self, endpoint: str, path: str, request: Request) -> Response:
-        rid = _request_id(request.headers.get("x-request-id"))
+        rid = request_id(request.headers.get("x-request-id"))
         headers = {"x-request-id": rid, "content-type": "application/json"}
         auth = request.headers.get("authorization")
         if auth:
@@ -684,6 +684,21 @@ class Proxy:
                 decode_body.pop("ec_transfer_params", None)
                 retry_inline = None
             self.metrics.prefills.inc()
+        return await self.to_decode(route_key, path, decode_body, retry_inline, headers,
+                                    out_headers)  # fmt: skip
+
+    async def to_decode(
+        self,
+        route_key: bytes,
+        path: str,
+        decode_body: dict[str, Any],
+        retry_inline: dict[str, Any] | None,
+        headers: dict[str, str],
+        out_headers: dict[str, str],
+    ) -> Response:
+        """``decode_body`` to ``path`` on the decode (or prefill+decode) instance the
+        policy picks for ``route_key``, the next one when it cannot be reached; its
+        answer passed back (``retry_inline``: see :meth:`_forward`)."""
         role = self._decode_role()
         urls = self._order(role, route_key)
         for attempt, base in enumerate(urls):
@@ -1017,6 +1032,10 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
+    # The forwarded routes' module builds on this one.
+    from ec_frontend.entrypoints.proxy import passthrough
+
+    passthrough.register(app, proxy)
     if config.membership.dynamic_registration:
         _registration_routes(app, proxy)
     else:
