@@ -3,8 +3,8 @@ distribution) is accepted by ``ec-frontend proxy`` or refused with one ``not
 supported`` line: never argparse's bare errors.
 
 The flags are read from the script's own ``add_argument`` calls (its syntax tree; the
-script is not run), each with vLLM's default as its value (its module constants resolved); our parser then parses
-each in this process, as the command line would.
+script is not run), each with vLLM's default as its value (module constants
+resolved); our parser then parses each in this process, as the command line would.
 """
 
 from __future__ import annotations

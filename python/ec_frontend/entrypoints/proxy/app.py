@@ -48,7 +48,9 @@ an instance is passed back with its status (a client error from an encoder stops
 the request there); an instance that cannot be reached gives 502.
 ``/health`` answers 503 while a role the proxy routes through has no healthy
 instance, and unknown routes get OpenAI-shaped 404 / 405 (``proxy/front.py``);
-``/metrics`` describes the proxy; ``GET /instances`` lists the instances of each
+``/metrics`` describes the proxy; ``/v1/responses``, ``/tokenize``,
+``/detokenize`` and ``/inference/v1/abort_requests`` are forwarded unsplit
+(``proxy/passthrough.py``); ``GET /instances`` lists the instances of each
 role, live or evicted, and with ``--dynamic-registration`` ``POST`` / ``DELETE
 /instances`` change them (vLLM's EPD-proxy API, behind the admin key).
 """
@@ -266,6 +268,17 @@ def request_id(value: str | None) -> str:
     if value and len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return uuid.uuid4().hex
+
+
+def stage_headers(request: Request) -> tuple[dict[str, str], dict[str, str]]:
+    """(headers to every stage, headers back to the client): one ``X-Request-Id`` (the
+    client's, or a fresh one) in both, and the client's ``Authorization`` to the stages."""
+    rid = request_id(request.headers.get("x-request-id"))
+    headers = {"x-request-id": rid, "content-type": "application/json"}
+    auth = request.headers.get("authorization")
+    if auth:
+        headers["authorization"] = auth
+    return headers, {"x-request-id": rid}
 
 
 def _image_parts(body: dict[str, Any]) -> Iterator[tuple[list[Any], int, dict[str, Any]]]:
@@ -598,13 +611,11 @@ class Proxy:
         self.metrics.requests.inc((endpoint, str(exc.status)))
         return Response(exc.body, exc.status, headers, "application/json")
 
-    async def handle(self, endpoint: str, path: str, request: Request) -> Response:
-        rid = request_id(request.headers.get("x-request-id"))
-        headers = {"x-request-id": rid, "content-type": "application/json"}
-        auth = request.headers.get("authorization")
-        if auth:
-            headers["authorization"] = auth
-        out_headers = {"x-request-id": rid}
+    async def json_body(
+        self, endpoint: str, request: Request, out_headers: dict[str, str]
+    ) -> dict[str, Any] | Response:
+        """The request's body as a JSON object, or the proxy's refusal (size, read
+        timeout, not a JSON object), counted under ``endpoint``."""
         try:
             raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
             body = orjson.loads(raw)
@@ -618,6 +629,13 @@ class Proxy:
             self.metrics.requests.inc((endpoint, "400"))
             content = error_body(400, problem, None, "invalid_json")
             return Response(content, 400, out_headers, "application/json")
+        return body
+
+    async def handle(self, endpoint: str, path: str, request: Request) -> Response:
+        headers, out_headers = stage_headers(request)
+        body = await self.json_body(endpoint, request, out_headers)
+        if isinstance(body, Response):
+            return body
         problem_param = check_body(endpoint, body, self._split())
         if problem_param is not None:
             self.metrics.requests.inc((endpoint, "400"))
@@ -636,6 +654,7 @@ class Proxy:
             return self._refuse(endpoint, refusal, out_headers)
         removed = strip_transfer_params(endpoint, body)
         if removed:
+            rid = headers["x-request-id"]
             log.info("request %s: dropped client-supplied %s", rid, ", ".join(removed))
         try:
             response = await self._route(endpoint, path, body, headers, out_headers)

@@ -29,11 +29,9 @@ from fastapi.responses import Response
 
 from ec_frontend.entrypoints.http.errors import error_body
 from ec_frontend.entrypoints.proxy.app import (
-    ClientError,
     Proxy,
     UpstreamError,
-    read_body,
-    request_id,
+    stage_headers,
     strip_transfer_params,
 )
 from ec_frontend.entrypoints.proxy.routing import prefix_key
@@ -49,44 +47,10 @@ ABORT_PATH = "/inference/v1/abort_requests"
 log = logging.getLogger("ec_frontend.proxy")
 
 
-async def _json_body(
-    proxy: Proxy, endpoint: str, request: Request, out_headers: dict[str, str]
-) -> dict[str, Any] | Response:
-    """The request's JSON object, or the proxy's refusal."""
-    config = proxy.config
-    try:
-        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
-    except ClientError as exc:
-        proxy.metrics.requests.inc((endpoint, str(exc.status)))
-        headers = {**out_headers, "connection": "close"}
-        return Response(exc.body, exc.status, headers, "application/json")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        body, problem = None, f"the body is not valid JSON: {exc}"
-    else:
-        problem = "the body must be a JSON object"
-    if not isinstance(body, dict):
-        proxy.metrics.requests.inc((endpoint, "400"))
-        content = error_body(400, problem, None, "invalid_json")
-        return Response(content, 400, out_headers, "application/json")
-    return body
-
-
-def _headers(request: Request) -> tuple[dict[str, str], dict[str, str]]:
-    """(headers to the instance, headers back to the client)."""
-    rid = request_id(request.headers.get("x-request-id"))
-    upstream = {"x-request-id": rid, "content-type": "application/json"}
-    auth = request.headers.get("authorization")
-    if auth:
-        upstream["authorization"] = auth
-    return upstream, {"x-request-id": rid}
-
-
 async def forward_whole(proxy: Proxy, endpoint: str, path: str, request: Request) -> Response:
     """One of :data:`WHOLE_ROUTES` to a decode instance (see the module docstring)."""
-    headers, out_headers = _headers(request)
-    body = await _json_body(proxy, endpoint, request, out_headers)
+    headers, out_headers = stage_headers(request)
+    body = await proxy.json_body(endpoint, request, out_headers)
     if isinstance(body, Response):
         return body
     removed = strip_transfer_params(endpoint, body)
@@ -109,8 +73,8 @@ async def forward_whole(proxy: Proxy, endpoint: str, path: str, request: Request
 async def abort_everywhere(proxy: Proxy, request: Request) -> Response:
     """``/inference/v1/abort_requests`` to every instance in rotation."""
     endpoint = "abort"
-    headers, out_headers = _headers(request)
-    body = await _json_body(proxy, endpoint, request, out_headers)
+    headers, out_headers = stage_headers(request)
+    body = await proxy.json_body(endpoint, request, out_headers)
     if isinstance(body, Response):
         return body
     urls = sorted({url for role in proxy.members.roles() for url in proxy.members.live(role)})
