@@ -703,21 +703,23 @@ class Proxy:
                 decode_body.pop("ec_transfer_params", None)
                 retry_inline = None
             self.metrics.prefills.inc()
-        return await self.to_decode(route_key, path, decode_body, retry_inline, headers,
-                                    out_headers)  # fmt: skip
+        return await self.to_decode(
+            route_key, path, decode_body, (headers, out_headers), retry_inline
+        )
 
     async def to_decode(
         self,
         route_key: bytes,
         path: str,
         decode_body: dict[str, Any],
-        retry_inline: dict[str, Any] | None,
-        headers: dict[str, str],
-        out_headers: dict[str, str],
+        stage: tuple[dict[str, str], dict[str, str]],
+        retry_inline: dict[str, Any] | None = None,
     ) -> Response:
         """``decode_body`` to ``path`` on the decode (or prefill+decode) instance the
         policy picks for ``route_key``, the next one when it cannot be reached; its
-        answer passed back (``retry_inline``: see :meth:`_forward`)."""
+        answer passed back. ``stage``: the headers to the instance and back to the
+        client (:func:`stage_headers`); ``retry_inline``: see :meth:`_forward`."""
+        headers, out_headers = stage
         role = self._decode_role()
         urls = self._order(role, route_key)
         for attempt, base in enumerate(urls):

@@ -61,9 +61,7 @@ async def forward_whole(proxy: Proxy, endpoint: str, path: str, request: Request
     if endpoint != "responses":
         key_body = body
     try:
-        response = await proxy.to_decode(
-            prefix_key(key_body), path, body, None, headers, out_headers
-        )
+        response = await proxy.to_decode(prefix_key(key_body), path, body, (headers, out_headers))
     except UpstreamError as exc:
         response = Response(exc.body, exc.status, out_headers, "application/json")
     proxy.metrics.requests.inc((endpoint, str(response.status_code)))
