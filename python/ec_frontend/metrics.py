@@ -258,11 +258,17 @@ class Histogram:
     """A histogram with fixed upper bounds (seconds), rendered cumulatively."""
 
     def __init__(
-        self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
+        self,
+        name: str,
+        help_text: str,
+        buckets: tuple[float, ...] = LATENCY_BUCKETS,
+        const_labels: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.name = name
         self.help = help_text
         self.bounds = buckets
+        #: Labels every line of this histogram carries (e.g. ``model_name``).
+        self.const_labels = const_labels
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
         self.count = 0
@@ -284,15 +290,18 @@ class Histogram:
             buckets = snapshot.get(self.name + "_bucket", {})
             counts = [int(buckets.get((str(i),), 0)) for i in range(len(self.counts))]
             total = snapshot.get(self.name + "_sum", {}).get((), 0.0)
+        names = tuple(n for n, _ in self.const_labels)
+        plain = _labels(names, tuple(v for _, v in self.const_labels))
+        le = plain[1:-1] + "," if plain else ""
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} histogram"
         running = 0
         for bound, n in zip(self.bounds, counts, strict=False):
             running += n
-            yield f'{self.name}_bucket{{le="{_fmt(bound)}"}} {running}'
-        yield f'{self.name}_bucket{{le="+Inf"}} {sum(counts)}'
-        yield f"{self.name}_sum {_fmt(total)}"
-        yield f"{self.name}_count {sum(counts)}"
+            yield f'{self.name}_bucket{{{le}le="{_fmt(bound)}"}} {running}'
+        yield f'{self.name}_bucket{{{le}le="+Inf"}} {sum(counts)}'
+        yield f"{self.name}_sum{plain} {_fmt(total)}"
+        yield f"{self.name}_count{plain} {sum(counts)}"
 
 
 def refused_connections() -> Counter:
@@ -325,7 +334,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.requests = Counter(
             PREFIX + "requests_total",
-            "HTTP requests by endpoint and status code.",
+            "HTTP requests by endpoint (the route's path; unmatched: no route) and status code.",
             ("endpoint", "status"),
         )
         self.ttft = Histogram(
@@ -395,12 +404,16 @@ def stats_items(stats: Any) -> list[tuple[str, float]]:
     return [(k, float(v)) for k, v in raw.items() if isinstance(v, int | float)]
 
 
-def render_engine_stats(stats: Any) -> Iterable[str]:
-    """Engine counters (fields ending in ``_total``) and gauges (every other field)."""
+def render_engine_stats(stats: Any, help_texts: Mapping[str, str] | None = None) -> Iterable[str]:
+    """Engine counters (fields ending in ``_total``) and gauges (every other field).
+
+    ``help_texts`` maps a field to its HELP text (what it counts).
+    """
     for key, value in stats_items(stats):
         name = PREFIX + key
         kind = "counter" if key.endswith("_total") else "gauge"
-        yield f"# HELP {name} Engine statistic {key}."
+        text = (help_texts or {}).get(key, f"Engine statistic {key}.")
+        yield f"# HELP {name} {text}"
         yield f"# TYPE {name} {kind}"
         yield f"{name} {_fmt(value)}"
 
@@ -410,11 +423,13 @@ def exposition(lines: Iterable[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(server: ServerMetrics, engine_stats: Any | None) -> str:
+def render(
+    server: ServerMetrics, engine_stats: Any | None, help_texts: Mapping[str, str] | None = None
+) -> str:
     """The full exposition text for ``/metrics`` (the group's, when values are shared)."""
     lines = list(server.render(shared_snapshot()))
     if engine_stats is not None:
-        lines.extend(render_engine_stats(engine_stats))
+        lines.extend(render_engine_stats(engine_stats, help_texts))
     return exposition(lines)
 
 

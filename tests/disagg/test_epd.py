@@ -401,3 +401,36 @@ def test_client_request_id_reused_while_prefill_holds_its_kv(dep: dict[str, Proc
     assert first == "same-id" and second.startswith("same-id-")
     for kv in held:
         assert generate(dep["d"].url, ids, kv_transfer_params=kv)["choices"][0]["token_ids"] == want
+
+
+@pytest.mark.parametrize(
+    ("deployment", "content"),
+    [
+        ("E+P+D", "Tell me about lighthouses."),
+        (
+            "E+PD/side-channel",
+            [{"type": "input_text", "text": "What is in this picture?"},
+             {"type": "input_image", "image_url": RED}],
+        ),
+    ],
+)  # fmt: skip
+def test_responses_and_tokenize_through_the_proxy(
+    dep: dict[str, Proc], deployment: str, content: Any
+) -> None:
+    """Forwarded whole to the decode (or PD) instance: the same greedy text as an
+    aggregated instance, and the same prompt tokens."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "input": [{"role": "user", "content": content}],
+        "max_output_tokens": 6,
+        "temperature": 0,
+    }
+    with client(dep["agg"]) as agg, client(dep[deployment]) as via:
+        want = agg.responses.create(**kwargs)
+        got = via.responses.create(**kwargs)
+    assert got.output_text == want.output_text and got.output_text
+    assert got.usage is not None and want.usage is not None
+    assert got.usage.input_tokens == want.usage.input_tokens
+    body = {"model": MODEL_NAME, "prompt": "Tell me about lighthouses."}
+    direct = httpx.post(dep["agg"].url + "/tokenize", json=body, timeout=30).json()
+    assert httpx.post(dep[deployment].url + "/tokenize", json=body, timeout=30).json() == direct

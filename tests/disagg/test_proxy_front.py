@@ -1,8 +1,11 @@
 """The proxy answers like the server: ``/health`` by role, OpenAI-shaped 404 / 405,
-``--api-key``, vLLM's EPD proxy flag names, and the server's access line.
+``--api-key``, vLLM's EPD proxy flag names, the server's access line, and the
+server's routes that it forwards whole (``/v1/responses``, ``/tokenize``,
+``/detokenize``, ``/v1/models``, ``/inference/v1/abort_requests``).
 
-Real processes: a mock-engine server as the decode instance, and proxies in front
-of it (one of them also naming an encode instance that is not running).
+Real processes: a mock-engine server as the decode instance (10 ms a token, so a
+stream can be aborted midway), and proxies in front of it (one of them also naming
+an encode instance that is not running).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
+import orjson
 import pytest
 
 from ..helpers.processes import Proc, free_port
@@ -19,6 +24,7 @@ from ..helpers.processes import Proc, free_port
 pytestmark = pytest.mark.slow
 
 KEY = "proxy-key"
+MODEL = "front-model"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
@@ -37,7 +43,8 @@ def _answering(proc: Proc) -> Proc:
 
 @pytest.fixture(scope="module")
 def decode() -> Iterator[Proc]:
-    proc = Proc("serve", ["--mock-engine"], "decode").wait_ready()
+    args = ["--mock-engine", "--mock-token-latency-ms", "10", "--served-model-name", MODEL]
+    proc = Proc("serve", args, "decode").wait_ready()
     yield proc
     proc.stop()
 
@@ -97,3 +104,68 @@ def test_health_by_role(decode: Proc) -> None:
     finally:
         no_decode.stop()
         no_encoder.stop()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"model": MODEL, "prompt": "héllo"}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/detokenize", {"model": MODEL, "tokens": [104, 105]}),
+        ("/tokenize", {"prompt": 5}),
+        ("/detokenize", {"tokens": "x"}),
+    ],
+)
+def test_tokenizer_routes_forwarded(proxy: Proc, decode: Proc, path: str, body: dict) -> None:
+    """The proxy answers as its decode instance does, errors included."""
+    via = httpx.post(proxy.url + path, json=body, headers=AUTH, timeout=30)
+    direct = httpx.post(decode.url + path, json=body, timeout=30)
+    assert (via.status_code, via.json()) == (direct.status_code, direct.json())
+    assert httpx.post(proxy.url + path, json=body).status_code == 401
+
+
+def test_responses_forwarded(proxy: Proc) -> None:
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0)
+    whole = client.responses.create(model=MODEL, input="say something", max_output_tokens=5)
+    assert whole.status == "incomplete" and whole.usage is not None
+    assert whole.usage.output_tokens == 5 and whole.output_text
+    events = [e.type for e in client.responses.create(
+        model=MODEL, input="say something", max_output_tokens=3, stream=True
+    )]  # fmt: skip
+    assert events[0] == "response.created" and events[-1] == "response.incomplete"
+    assert events.count("response.output_text.delta") == 3
+    r = httpx.post(proxy.url + "/v1/responses", content=b"[1]", headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_abort_forwarded(proxy: Proc) -> None:
+    """An abort through the proxy ends a stream the proxy relays, mid-way."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+            "max_tokens": 2000, "stream": True}  # fmt: skip
+    finish, tokens = None, 0
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream("POST", proxy.url + "/v1/chat/completions", json=body,
+                      headers={**AUTH, "x-request-id": "proxy-abort"}) as r,
+    ):  # fmt: skip
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = orjson.loads(line[6:])["choices"][0]
+            tokens += "role" not in choice["delta"]
+            finish = choice["finish_reason"] or finish
+            if tokens == 4:
+                a = client.post(proxy.url + "/inference/v1/abort_requests",
+                                json={"request_ids": ["proxy-abort"]}, headers=AUTH)  # fmt: skip
+                assert (a.status_code, a.content) == (200, b""), a.text
+    assert finish == "abort" and tokens < 2000
+    bad = httpx.post(proxy.url + "/inference/v1/abort_requests", json={}, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_ids"
+
+
+def test_forwarded_routes_counted(proxy: Proc) -> None:
+    httpx.post(proxy.url + "/tokenize", json={"prompt": "a"}, headers=AUTH)
+    text = httpx.get(proxy.url + "/metrics", headers=AUTH).text
+    assert re.search(r'^ec_frontend_proxy_requests_total\{endpoint="tokenize",status="200"\} [1-9]',
+                     text, re.MULTILINE), text  # fmt: skip

@@ -181,6 +181,13 @@ def check_spread_and_metrics(server: ServerProcess) -> None:
         assert m['ec_frontend_e2e_request_latency_seconds_bucket{le="+Inf"}'] == sent
         assert m["ec_frontend_inter_token_latency_seconds_count"] == 3 * sent
         assert m["ec_frontend_http_requests_in_flight"] == 0
+        # vLLM's names for the same requests, summed over the group too.
+        vllm = f'{{model_name="{MOCK_MODEL}",engine="0"}}'
+        assert m["vllm:e2e_request_latency_seconds_count" + vllm] == sent
+        assert m["vllm:request_generation_tokens_sum" + vllm] == tokens
+        reason = f'{{model_name="{MOCK_MODEL}",engine="0",finished_reason="length"}}'
+        assert m["vllm:request_success_total" + reason] == sent
+        assert m["vllm:generation_tokens_total" + vllm] == tokens
         # The one engine's statistics, reported once (not once per server).
         assert m["ec_frontend_generation_tokens_total"] == tokens
         assert m["ec_frontend_requests_finished_total"] == sent

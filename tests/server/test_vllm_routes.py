@@ -156,6 +156,27 @@ def test_detokenize_bad_input(mock_server: ServerProcess, body: dict[str, Any], 
     assert error_param(post(mock_server, "/detokenize", body)) == param
 
 
+def test_requests_counted_by_route(mock_server: ServerProcess) -> None:
+    """``ec_frontend_requests_total`` labels a request by its route; a path no route
+    serves is ``unmatched`` (its own path would let a scanner add series)."""
+
+    def count(endpoint: str, status: str) -> float:
+        text = httpx.get(mock_server.url + "/metrics", headers=AUTH).text
+        line = f'ec_frontend_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+        return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0)
+
+    before = {
+        key: count(*key)
+        for key in (("/tokenize", "200"), ("/version", "200"), ("unmatched", "404"))
+    }
+    assert post(mock_server, "/tokenize", {"prompt": "ab"}).status_code == 200
+    assert httpx.get(mock_server.url + "/version", headers=AUTH).status_code == 200
+    assert httpx.get(mock_server.url + "/no/such/route-x1", headers=AUTH).status_code == 404
+    after = {key: count(*key) for key in before}
+    assert {key: after[key] - before[key] for key in before} == dict.fromkeys(before, 1)
+    assert "/no/such/route-x1" not in httpx.get(mock_server.url + "/metrics", headers=AUTH).text
+
+
 def test_abort_requests_bad_input(mock_server: ServerProcess) -> None:
     path = "/inference/v1/abort_requests"
     assert error_param(post(mock_server, path, {})) == "request_ids"

@@ -9,6 +9,48 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+#: The HELP text of each :class:`EngineStats` field on ``/metrics``: what it counts.
+FIELD_HELP: dict[str, str] = {
+    "encoder_items_computed_total": "Media items (images, videos) this engine's vision "
+    "encoder ran on.",
+    "encoder_cache_hits_total": "Media items whose encoder output was already in the "
+    "encoder cache (not recomputed, not loaded).",
+    "ec_items_loaded_total": "Encoder outputs loaded from an encode instance through the "
+    "EC connector.",
+    "ec_items_saved_total": "Encoder outputs saved for consumers through the EC connector.",
+    "ec_load_fallbacks_total": "EC loads that failed and were recomputed locally by the encoder.",
+    "prompt_tokens_computed_total": "Prompt tokens computed in prefill (prefix-cache hits "
+    "and received KV excluded).",
+    "kv_tokens_received_total": "Prompt tokens whose KV was received from a prefill "
+    "instance instead of computed.",
+    "generation_tokens_total": "Tokens generated (sampled), all requests together.",
+    "preemptions_total": "Running requests preempted to free KV-cache blocks.",
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
+    "engine_steps_total": "Engine steps (schedule, run, update) taken.",
+    "lm_forward_calls_total": "Language-model forward passes.",
+    "lm_graph_replays_total": "Decode forward passes that replayed a captured CUDA graph.",
+    "encoder_forward_calls_total": "Vision-encoder forward passes (each may batch items).",
+    "requests_finished_total": "Engine requests finished (any reason, failures included).",
+    "requests_failed_total": "Engine requests that ended with an error.",
+    "kv_tokens_sent_total": "Tokens whose KV a decode instance pulled from this one.",
+    "kv_local_prefill_fallbacks_total": "Requests whose KV could not be received and were "
+    "prefilled locally instead.",
+    "transfer_params_rejected_total": "Transfer params refused (bad signature, unknown or "
+    "disallowed peer).",
+    "kv_holds_refused_total": "Requests whose KV this prefill instance refused to hold "
+    "for a decode instance (its per-client bound).",
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests held but not yet scheduled.",
+    "kv_cache_usage": "Fraction of KV-cache blocks in use (0 to 1).",
+    "encoder_cache_usage": "Fraction of the encoder cache's budget in use (0 to 1).",
+    "kv_blocks_used": "KV-cache blocks referenced by requests.",
+    "kv_blocks_cached": "KV-cache blocks kept for prefix reuse with no request on them.",
+    "encoder_cache_refs": "References held by requests on encoder-cache entries.",
+    "kv_requests_held": "Finished prefill requests whose KV is held for a decode instance to pull.",
+    "ec_items_held": "Encoder outputs held for consumers to pull.",
+}
+
 
 @dataclass(slots=True)
 class RunnerCounters:

@@ -44,7 +44,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: Endpoints whose label is their path; anything else is counted as ``other``.
+#: Endpoints whose label is their path, beside the wrapped app's own routes
+#: (:meth:`FrontMiddleware.endpoint_label`); a path no route serves is counted as
+#: ``unmatched``, which keeps a scanner's random paths from adding series.
 KNOWN_ENDPOINTS: frozenset[str] = frozenset(
     {
         "/v1/chat/completions",
@@ -154,6 +156,16 @@ class FrontMiddleware:
         self.state = state
         self.routes = routes
         self.on_error = on_error
+        #: Paths served by a route of ``app``, read on the first request (routes
+        #: are all added by then).
+        self._route_paths: frozenset[str] | None = None
+
+    def endpoint_label(self, path: str) -> str:
+        """The ``endpoint`` label of a request for ``path``: the route, or ``unmatched``."""
+        if self._route_paths is None:
+            found = {getattr(r, "path", None) for r in getattr(self.app, "routes", ())}
+            self._route_paths = KNOWN_ENDPOINTS | {p for p in found if isinstance(p, str)}
+        return path if path in self._route_paths else "unmatched"
 
     def _admission(self, scope: Scope, path: str) -> APIError | None:
         """Why a request may not proceed (drain, API key, overload), or ``None``."""
@@ -187,7 +199,7 @@ class FrontMiddleware:
             return
         metrics = self.state.metrics
         path: str = scope["path"]
-        endpoint = path if path in KNOWN_ENDPOINTS else "other"
+        endpoint = self.endpoint_label(path)
         rid = _header(scope, b"x-request-id")
         if rid is None or _VALID_ID.fullmatch(rid) is None:
             rid = uuid.uuid4().hex.encode()

@@ -71,10 +71,21 @@ class Choice:
 
 @dataclass(slots=True)
 class Timing:
-    """Latency bookkeeping of one engine request (for the TTFT / ITL histograms)."""
+    """Latency bookkeeping of one engine request (for the latency histograms).
+
+    Times are ``time.perf_counter()`` values: ``started`` when the HTTP request
+    arrived, ``handed_off`` when the engine got the request, ``first`` and ``last``
+    at its first and latest generated token (0.0 before).
+    """
 
     started: float
+    handed_off: float = 0.0
+    first: float = 0.0
     last: float = 0.0
+    generated: int = 0
+    prompt_tokens: int = 0
+    #: The request's ``max_tokens`` sampling parameter, when set.
+    max_tokens: int | None = None
     finished: bool = False
 
 

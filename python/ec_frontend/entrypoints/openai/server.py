@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from ec_frontend._core import Limits, ParsedRequest, RequestError, parse_request
 from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
+from ec_frontend.engine.stats import FIELD_HELP
 from ec_frontend.entrypoints.http.errors import (
     APIError,
     engine_failure,
@@ -56,7 +57,8 @@ from ec_frontend.entrypoints.openai.responses_api import response_body, response
 from ec_frontend.entrypoints.openai.sampling import MAX_LOGPROBS
 from ec_frontend.entrypoints.openai.serving import Serving, ServingConfig
 from ec_frontend.media import FetchMetrics, MediaFetchConfig, MediaFetcher
-from ec_frontend.metrics import ServerMetrics, render
+from ec_frontend.metrics import ServerMetrics, exposition, render
+from ec_frontend.vllm_metrics import render_engine_stats as render_vllm_engine_stats
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -392,9 +394,9 @@ class App:
 
     async def metrics_route(self, request: Request) -> Response:
         stats = self.engine.stats()
-        return Response(
-            render(self.metrics, stats), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        text = render(self.metrics, stats, FIELD_HELP)
+        text += exposition(render_vllm_engine_stats(stats, self.config.model_names[0]))
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _client(request: Request) -> str:

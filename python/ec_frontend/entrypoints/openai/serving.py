@@ -49,6 +49,7 @@ from ec_frontend.entrypoints.openai.sampling import (
 from ec_frontend.entrypoints.openai.structured import StructuredCompiler
 from ec_frontend.media import MediaError, MediaFetcher, resolve_items
 from ec_frontend.metrics import ServerMetrics
+from ec_frontend.vllm_metrics import VLLMRequestMetrics
 
 if TYPE_CHECKING:
     from ec_frontend.engine.client import EngineClient, OutputStream
@@ -99,6 +100,9 @@ class Serving:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        #: The same requests under vLLM's metric names (rendered with ``metrics``).
+        self.vllm_metrics = VLLMRequestMetrics(config.model_names[0], config.max_model_len)
+        metrics.extra.append(self.vllm_metrics)
         #: Fetches URL media items; ``None``: they are refused.
         self.media_fetcher = media_fetcher
         self._active: set[str] = set()
@@ -528,24 +532,50 @@ class Serving:
         job.started = True
         return self.engine.add_request(job.request_id, job.inputs, job.params, group=job.group)
 
+    @staticmethod
+    def _timing(job: Job, started: float) -> Timing:
+        """The bookkeeping of ``job``, just handed to the engine (arrived at ``started``)."""
+        max_tokens = getattr(job.params, "max_tokens", None)
+        return Timing(
+            started,
+            handed_off=time.perf_counter(),
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        )
+
     def _observe(self, timing: Timing, out: Any) -> bool:
         """Record latency metrics for one delta; True when it finishes the request."""
         tokens = out.token_ids
+        vm = self.vllm_metrics
+        if out.prompt_token_ids is not None and not timing.prompt_tokens:
+            timing.prompt_tokens = len(out.prompt_token_ids)
         if tokens:
             now = time.perf_counter()
             m = self.metrics
             if timing.last == 0.0:
                 m.ttft.observe(now - timing.started)
-            elif len(tokens) == 1:
-                m.itl.observe(now - timing.last)
+                vm.ttft.observe(now - timing.started)
+                timing.first = now
             else:
                 gap = (now - timing.last) / len(tokens)
                 for _ in tokens:
                     m.itl.observe(gap)
+                    vm.itl.observe(gap)
             timing.last = now
+            timing.generated += len(tokens)
         if out.finished:
             timing.finished = True
-            self.metrics.e2e.observe(time.perf_counter() - timing.started)
+            now = time.perf_counter()
+            self.metrics.e2e.observe(now - timing.started)
+            vm.finished(
+                arrived=timing.started,
+                handed_off=timing.handed_off,
+                first_token=timing.first or now,
+                last_token=timing.last or now,
+                prompt_tokens=timing.prompt_tokens,
+                generated=timing.generated,
+                finish_reason=out.finish_reason,
+                max_tokens=timing.max_tokens,
+            )
             return True
         return False
 
@@ -563,7 +593,7 @@ class Serving:
 
     async def _run(self, job: Job, choice: Choice, started: float) -> None:
         agen = self._start(job)
-        timing = Timing(started)
+        timing = self._timing(job, started)
         try:
             async for out in agen:
                 choice.add(out)
@@ -619,7 +649,7 @@ class Serving:
             job, choice = jobs[0], choices[0]
             agen = self._start(job)
             ready.check = getattr(agen, "ready", None)
-            timing = Timing(started)
+            timing = self._timing(job, started)
             try:
                 async for out in agen:
                     choice.add(out)
@@ -637,7 +667,7 @@ class Serving:
         async def pump(k: int) -> None:
             job = jobs[k]
             agen = self._start(job)
-            timing = Timing(started)
+            timing = self._timing(job, started)
             try:
                 async for out in agen:
                     queue.put_nowait((k, out))

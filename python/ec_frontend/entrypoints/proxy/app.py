@@ -48,7 +48,9 @@ an instance is passed back with its status (a client error from an encoder stops
 the request there); an instance that cannot be reached gives 502.
 ``/health`` answers 503 while a role the proxy routes through has no healthy
 instance, and unknown routes get OpenAI-shaped 404 / 405 (``proxy/front.py``);
-``/metrics`` describes the proxy; ``GET /instances`` lists the instances of each
+``/metrics`` describes the proxy; ``/v1/responses``, ``/tokenize``,
+``/detokenize`` and ``/inference/v1/abort_requests`` are forwarded unsplit
+(``proxy/passthrough.py``); ``GET /instances`` lists the instances of each
 role, live or evicted, and with ``--dynamic-registration`` ``POST`` / ``DELETE
 /instances`` change them (vLLM's EPD-proxy API, behind the admin key).
 """
@@ -272,10 +274,21 @@ def _unreachable(url: str, exc: Exception, code: str) -> UpstreamError:
     return UpstreamError(502, error_body(502, f"{url}: {exc!r}", None, code), unreachable=True)
 
 
-def _request_id(value: str | None) -> str:
+def request_id(value: str | None) -> str:
     if value and len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return uuid.uuid4().hex
+
+
+def stage_headers(request: Request) -> tuple[dict[str, str], dict[str, str]]:
+    """(headers to every stage, headers back to the client): one ``X-Request-Id`` (the
+    client's, or a fresh one) in both, and the client's ``Authorization`` to the stages."""
+    rid = request_id(request.headers.get("x-request-id"))
+    headers = {"x-request-id": rid, "content-type": "application/json"}
+    auth = request.headers.get("authorization")
+    if auth:
+        headers["authorization"] = auth
+    return headers, {"x-request-id": rid}
 
 
 def _image_parts(body: dict[str, Any]) -> Iterator[tuple[list[Any], int, dict[str, Any]]]:
@@ -617,13 +630,11 @@ class Proxy:
         self.metrics.requests.inc((endpoint, str(exc.status)))
         return Response(exc.body, exc.status, headers, "application/json")
 
-    async def handle(self, endpoint: str, path: str, request: Request) -> Response:
-        rid = _request_id(request.headers.get("x-request-id"))
-        headers = {"x-request-id": rid, "content-type": "application/json"}
-        auth = request.headers.get("authorization")
-        if auth:
-            headers["authorization"] = auth
-        out_headers = {"x-request-id": rid}
+    async def json_body(
+        self, endpoint: str, request: Request, out_headers: dict[str, str]
+    ) -> dict[str, Any] | Response:
+        """The request's body as a JSON object, or the proxy's refusal (size, read
+        timeout, not a JSON object), counted under ``endpoint``."""
         try:
             raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
             body = orjson.loads(raw)
@@ -637,6 +648,13 @@ class Proxy:
             self.metrics.requests.inc((endpoint, "400"))
             content = error_body(400, problem, None, "invalid_json")
             return Response(content, 400, out_headers, "application/json")
+        return body
+
+    async def handle(self, endpoint: str, path: str, request: Request) -> Response:
+        headers, out_headers = stage_headers(request)
+        body = await self.json_body(endpoint, request, out_headers)
+        if isinstance(body, Response):
+            return body
         problem_param = check_body(endpoint, body, self._split())
         if problem_param is not None:
             self.metrics.requests.inc((endpoint, "400"))
@@ -655,6 +673,7 @@ class Proxy:
             return self._refuse(endpoint, refusal, out_headers)
         removed = strip_transfer_params(endpoint, body)
         if removed:
+            rid = headers["x-request-id"]
             log.info("request %s: dropped client-supplied %s", rid, ", ".join(removed))
         try:
             response = await self._route(endpoint, path, body, headers, out_headers)
@@ -703,6 +722,23 @@ class Proxy:
                 decode_body.pop("ec_transfer_params", None)
                 retry_inline = None
             self.metrics.prefills.inc()
+        return await self.to_decode(
+            route_key, path, decode_body, (headers, out_headers), retry_inline
+        )
+
+    async def to_decode(
+        self,
+        route_key: bytes,
+        path: str,
+        decode_body: dict[str, Any],
+        stage: tuple[dict[str, str], dict[str, str]],
+        retry_inline: dict[str, Any] | None = None,
+    ) -> Response:
+        """``decode_body`` to ``path`` on the decode (or prefill+decode) instance the
+        policy picks for ``route_key``, the next one when it fails (unreachable or a 5xx); its
+        answer passed back. ``stage``: the headers to the instance and back to the
+        client (:func:`stage_headers`); ``retry_inline``: see :meth:`_forward`."""
+        headers, out_headers = stage
         role = self._decode_role()
         urls = self._order(role, route_key)
         for attempt, base in enumerate(urls):
@@ -1041,6 +1077,10 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", proxy.models, methods=["GET"])
+    # The forwarded routes' module builds on this one.
+    from ec_frontend.entrypoints.proxy import passthrough
+
+    passthrough.register(app, proxy)
     if config.membership.dynamic_registration:
         _registration_routes(app, proxy)
     else:

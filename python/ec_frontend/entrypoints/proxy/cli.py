@@ -169,6 +169,60 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     ])  # fmt: skip
     add_http_args(p)
     add_log_args(p, server=False)
+    add_epd_proxy_flags(p)
+
+
+class _LogRequests(argparse.Action):
+    """vLLM's EPD proxy's ``--log-requests``: an access line per request, and the
+    log level raised to debug."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        namespace.access_log = True
+        namespace.log_level = "debug"
+
+
+#: vLLM's EPD proxy's flags that this proxy does not implement -> why.
+EPD_PROXY_REFUSED: dict[str, str] = {
+    "--no-rewrite": "images go through the encode instances whenever there are any; "
+    "start the proxy without --encode to send them to the decode instance unchanged",
+    "--ec-consumer-zmq-addrs": "consumers pull encoder outputs through their own EC "
+    "connector (--ec-transfer-config); the proxy names no consumer control address",
+}
+#: vLLM's EPD-proxy flags accepted with the values that describe this proxy: flag ->
+#: (values, why no other).
+EPD_PROXY_ONLY: dict[str, tuple[tuple[str, ...], str]] = {
+    "--decode-retries": (
+        ("0",),
+        "vLLM's retry encodes again and resends after a decode 500; this proxy moves a "
+        "request an instance failed (500/502/503/504, or unreachable) to the next instance "
+        "of the role, and resends it with its images inline when an encoded item cannot "
+        "be loaded",
+    ),
+    "--ec-consumer-dp-size": (
+        ("1",),
+        "one engine per instance (no data-parallel replicas); run more instances behind the proxy",
+    ),
+}
+
+
+def add_epd_proxy_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's EPD-proxy flags that the ones above do not already spell: ``--log-requests``
+    (implemented), :data:`EPD_PROXY_ONLY` (accepted with the values that describe this
+    proxy) and :data:`EPD_PROXY_REFUSED` (one ``not supported`` line, exit 2)."""
+    from ec_frontend.entrypoints.http.vllm_flags import OnlyValues, Refused
+
+    p.add_argument(
+        "--log-requests",
+        action=_LogRequests,
+        nargs=0,
+        help="vLLM's EPD proxy spelling: the access line for every request and --log-level debug",
+    )
+    for flag, reason in EPD_PROXY_REFUSED.items():
+        p.add_argument(flag, action=Refused, reason=reason, help=f"not supported: {reason}")
+    for flag, (values, reason) in EPD_PROXY_ONLY.items():
+        p.add_argument(flag, action=OnlyValues, allowed=values, reason=reason,
+                       default=values[0], help=f"only {values[0]}: {reason}")  # fmt: skip
 
 
 def run_proxy(args: argparse.Namespace) -> int:
