@@ -1,4 +1,4 @@
-"""A proxy killed and restarted mid-run (issue 31's faults).
+"""A proxy, or a decode instance behind it, killed mid-run (issue 31's faults).
 
 Real processes on 127.0.0.1: a mock-engine instance that registers itself with
 the proxy (``serve --register-with``, every 0.5 s) and a proxy with
@@ -9,6 +9,10 @@ proxy when it is killed with SIGKILL:
 * the instance sees its clients go and ends their requests (nothing stays running);
 * a proxy restarted on the same port knows nothing, learns the instance from its
   next announcement, and serves again.
+
+And a decode instance killed while non-streamed requests run on it: each of them
+goes to the other instance (nothing had reached its client yet) and is answered;
+the killed instance leaves the rotation.
 """
 
 from __future__ import annotations
@@ -101,3 +105,42 @@ def test_a_proxy_killed_mid_run_fails_its_streams_and_a_new_one_serves_again() -
     finally:
         px.stop()
         server.stop()
+
+
+def test_a_decode_instance_killed_mid_run_loses_no_request() -> None:
+    args = ["--mock-engine", "--mock-token-latency-ms", "20"]
+    d1, d2 = Proc("serve", args, "d1"), Proc("serve", args, "d2")
+    d1.wait_ready()
+    d2.wait_ready()
+    px = Proc("proxy", ["--decode", d1.url, d2.url, "--routing", "round-robin",
+                        "--probe-interval", "0.5"], "px")  # fmt: skip
+    try:
+        _serving(px, timeout_s=60)
+        answers: list[int] = []
+
+        def ask() -> None:
+            body = {"messages": [{"role": "user", "content": "y" * 32}], "max_tokens": 100,
+                    "ignore_eos": True}  # fmt: skip
+            r = httpx.post(px.url + "/v1/chat/completions", json=body, timeout=60)
+            answers.append(r.status_code)
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while d1.metric("num_requests_running") < 2:
+            assert time.monotonic() < deadline, d1.log()
+            time.sleep(0.02)
+        d1.kill()
+        for t in threads:
+            t.join(60)
+        assert answers == [200] * 8
+        assert d2.metric("num_requests_running") == 0
+        for _ in range(4):  # the survivor takes every new request
+            assert _serving(px, timeout_s=10) < 5
+        reroutes = px.metrics().get('ec_frontend_proxy_reroutes_total{role="prefill_decode"}', 0)
+        assert reroutes >= 2
+    finally:
+        px.stop()
+        d1.kill()
+        d2.stop()
