@@ -140,6 +140,11 @@ def test_a_decode_instance_killed_mid_run_loses_no_request() -> None:
             assert _serving(px, timeout_s=10) < 5
         reroutes = px.metrics().get('ec_frontend_proxy_reroutes_total{role="prefill_decode"}', 0)
         assert reroutes >= 2
+        ejected = f'ec_frontend_proxy_ejections_total{{role="prefill_decode",instance="{d1.url}"}}'
+        deadline = time.monotonic() + 10
+        while px.metrics().get(ejected, 0) < 1:
+            assert time.monotonic() < deadline, sorted(px.metrics())
+            time.sleep(0.1)
     finally:
         px.stop()
         d1.kill()
