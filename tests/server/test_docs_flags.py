@@ -60,3 +60,25 @@ def test_every_flag_of_the_server_table_exists() -> None:
     mentioned = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row)}
     assert len(mentioned) > 50
     assert sorted(mentioned - known) == []
+
+
+def test_every_doc_stands_on_its_own() -> None:
+    """The docs name files of this repository only, and each one they name exists
+    (a glob or a ``<placeholder>`` must match something)."""
+    root = DOCS.parent
+    pages = [*sorted(DOCS.glob("*.md")), root / "README.md"]
+    path = re.compile(r"`((?:docs|benches|tests|scripts|python|rust|fuzz|\.ci)/[^`\s:,)]*)")
+    named, missing, outside = 0, [], []
+    for page in pages:
+        text = page.read_text()
+        outside += [
+            f"{page.name}: {m}" for m in re.findall(r"DESIGN\.md|STYLE\.md|\.\./shared", text)
+        ]
+        for match in path.finditer(text):
+            ref = match.group(1).rstrip(".")
+            named += 1
+            pattern = re.sub(r"<[^>]*>|\{[^}]*\}", "*", ref)
+            if not list(root.glob(pattern)) and not (root / ref).exists():
+                missing.append(f"{page.name}: {ref}")
+    assert named > 100
+    assert outside == [] and missing == []
