@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# The 2 s bound is the point of these tests: they run alone (scripts/test.sh, serial phase).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 SIDE_CHANNEL_ON_ALL = json.dumps(
     {
