@@ -66,7 +66,7 @@ def test_a_proxy_killed_mid_run_fails_its_streams_and_a_new_one_serves_again() -
         outcomes: list[tuple[str, float]] = []
 
         def stream() -> None:
-            body = {"messages": [{"role": "user", "content": "x" * 64}], "max_tokens": 500,
+            body = {"messages": [{"role": "user", "content": "x" * 64}], "max_tokens": 2000,
                     "stream": True, "ignore_eos": True}  # fmt: skip
             try:
                 with httpx.stream("POST", px.url + "/v1/chat/completions", json=body,
@@ -88,10 +88,10 @@ def test_a_proxy_killed_mid_run_fails_its_streams_and_a_new_one_serves_again() -
         killed = time.monotonic()
         for t in threads:
             t.join(30)
-        # Every stream broke off when the proxy died, well before its 500 tokens
-        # (10 s at 20 ms a token) could have finished.
+        # Every stream broke off when the proxy died, long before its 2000 tokens
+        # (40 s at 20 ms a token) could have finished.
         assert len(outcomes) == STREAMS and all(kind != "finished" for kind, _ in outcomes)
-        assert max(at for _, at in outcomes) - killed < 2.0
+        assert max(at for _, at in outcomes) - killed < 10.0
         # The instance saw its clients go: nothing keeps running there.
         deadline = time.monotonic() + 10
         while server.metric("num_requests_running") > 0:
@@ -137,7 +137,7 @@ def test_a_decode_instance_killed_mid_run_loses_no_request() -> None:
         assert answers == [200] * 8
         assert d2.metric("num_requests_running") == 0
         for _ in range(4):  # the survivor takes every new request
-            assert _serving(px, timeout_s=10) < 5
+            assert _serving(px, timeout_s=10) < 10
         reroutes = px.metrics().get('ec_frontend_proxy_reroutes_total{role="prefill_decode"}', 0)
         assert reroutes >= 2
         ejected = f'ec_frontend_proxy_ejections_total{{role="prefill_decode",instance="{d1.url}"}}'
