@@ -126,7 +126,12 @@ class MediaItem:
     def image_grid_thw(self) -> tuple[int, int, int] | None:
         """``(t, h, w)`` of a metadata-only ``image_embeds`` reference (vLLM's EPD
         protocol: no bytes, no URL; its encoder output comes through the EC connector,
-        keyed by the hash of its ``uuid``); ``None`` for an image with bytes or a URL."""
+        keyed by the hash of its ``uuid``); ``None`` for any other item."""
+    @property
+    def video_grid_thw(self) -> tuple[int, int, int] | None:
+        """``(t, h, w)`` of a metadata-only ``video_embeds`` reference (the same protocol;
+        keyed by the hash of its ``uuid`` and the request's ``media_io_kwargs.video``, as
+        its encoder keyed the video); ``None`` for any other item."""
     def __len__(self) -> int: ...
 
 @final

@@ -322,8 +322,25 @@ IMAGES_PREPROCESSED = Counter(
 )
 
 
+#: Videos this process decoded into sampled frames, the frames and the container bytes
+#: (``model.video.decode_video``); an instance given ``video_embeds`` references
+#: decodes none.
+VIDEOS_DECODED = Counter(
+    PREFIX + "videos_decoded_total",
+    "Videos decoded into sampled frames by this instance.",
+)
+VIDEO_FRAMES_DECODED = Counter(
+    PREFIX + "video_frames_decoded_total",
+    "Sampled video frames decoded to RGB by this instance.",
+)
+VIDEO_BYTES_DECODED = Counter(
+    PREFIX + "video_bytes_decoded_total",
+    "Bytes of the video containers this instance decoded frames from.",
+)
+
+
 #: Counters that live as long as the process (seeded into its shared file).
-_PROCESS_WIDE = (IMAGES_PREPROCESSED,)
+_PROCESS_WIDE = (IMAGES_PREPROCESSED, VIDEOS_DECODED, VIDEO_FRAMES_DECODED, VIDEO_BYTES_DECODED)
 
 _IN_FLIGHT = PREFIX + "http_requests_in_flight"
 
@@ -379,7 +396,8 @@ class ServerMetrics:
         yield from self.requests.render(snapshot)
         yield from self.aborted.render(snapshot)
         yield from self.refused.render(snapshot)
-        yield from IMAGES_PREPROCESSED.render(snapshot)
+        for counter in _PROCESS_WIDE:
+            yield from counter.render(snapshot)
         yield f"# HELP {_IN_FLIGHT} Generation requests being served."
         yield f"# TYPE {_IN_FLIGHT} gauge"
         yield f"{_IN_FLIGHT} {in_flight}"

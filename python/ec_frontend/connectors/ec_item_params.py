@@ -6,11 +6,12 @@ vLLM's EC producers report, for each ``mm_hash`` of a finished request::
      "metadata": {"image_grid_thw": [t, h, w]}}
 
 ``item_indices`` are the positions of the item in the request's multimodal
-features (in prompt order; a repeated image lists each position) and
-``metadata`` what the consumer needs to size the item's placeholder without
-the media: for Qwen2-VL images, the ``image_grid_thw`` the processor produced.
-vLLM's EPD proxy turns them into metadata-only ``image_embeds`` references for
-the prefill/decode instance. ec-frontend's producers add these fields next to
+features (in prompt order, images and videos together; a repeated item lists
+each position) and ``metadata`` what the consumer needs to size the item's
+placeholder without the media: for Qwen2-VL images, the ``image_grid_thw`` the
+processor produced; for its videos (``"modality": "video"``), the
+``video_grid_thw``. vLLM's EPD proxy turns them into metadata-only
+``image_embeds`` / ``video_embeds`` references for the prefill/decode instance. ec-frontend's producers add these fields next to
 their own transfer fields (before signing, so a signature covers them).
 """
 
@@ -28,17 +29,19 @@ IMAGE = "image"
 
 
 def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, JSONObject]:
-    """``{mm_hash: {"modality", "item_indices", "metadata"}}`` for ``features``."""
+    """``{mm_hash: {"modality", "item_indices", "metadata"}}`` for ``features``; a
+    video's metadata is its ``video_grid_thw``."""
     items: dict[str, JSONObject] = {}
     indices: dict[str, list[int]] = {}
     for index, feature in enumerate(features):
         known = indices.get(feature.mm_hash)
         if known is None:
             indices[feature.mm_hash] = known = [index]
+            modality = getattr(feature, "modality", IMAGE)
             items[feature.mm_hash] = {
-                "modality": IMAGE,
+                "modality": modality,
                 "item_indices": known,
-                "metadata": {"image_grid_thw": list(feature.image_grid_thw)},
+                "metadata": {f"{modality}_grid_thw": list(feature.image_grid_thw)},
             }
         else:
             known.append(index)

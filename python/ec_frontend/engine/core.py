@@ -230,7 +230,7 @@ class EngineCore:
             if feature.length > self.encoder_cache.cache_size:
                 return (
                     f"media item {feature.mm_hash} needs {feature.length} encoder cache rows; "
-                    f"the cache holds {self.encoder_cache.cache_size}"
+                    f"the cache holds {self.encoder_cache.cache_size} (--encoder-cache-size)"
                 )
             end = feature.offset + feature.length
         return None

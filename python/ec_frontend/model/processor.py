@@ -87,6 +87,8 @@ class MultiModalFeature:
     image_grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None
     deferred: DeferredImage | None = None
+    #: ``"image"`` or ``"video"`` (then ``image_grid_thw`` is the video's grid).
+    modality: str = "image"
 
 
 @dataclass(slots=True)
@@ -306,7 +308,9 @@ class InputProcessor:
                 video_hash, video_grid, video_pixels = next(videos)
                 length = video_grid[0] * video_grid[1] * video_grid[2] // self.spatial_merge_size**2
                 features.append(
-                    MultiModalFeature(video_hash, len(out_ids), length, video_grid, video_pixels)
+                    MultiModalFeature(
+                        video_hash, len(out_ids), length, video_grid, video_pixels, modality="video"
+                    )
                 )
                 out_ids.extend([token] * length)
                 continue
@@ -459,10 +463,14 @@ class InputProcessor:
 
     def _video(
         self, item: MediaLike, index: int, sampling: VideoSampling, size: dict[str, int] | None
-    ) -> tuple[str, tuple[int, int, int], torch.Tensor]:
+    ) -> tuple[str, tuple[int, int, int], torch.Tensor | None]:
         """``(mm_hash, grid, pixel_values)`` of a video item: decoded and sampled
-        (bounded by :attr:`video_limits`), then the family's video rule."""
+        (bounded by :attr:`video_limits`), then the family's video rule; a
+        ``video_embeds`` reference is sized from its grid and has no pixel values."""
         param = getattr(item, "param", None)
+        reference = getattr(item, "video_grid_thw", None)
+        if reference is not None:
+            return item.mm_hash, self._reference_video_grid(reference, index, size), None
         try:
             decoded = decode_video(
                 item.data, index=index, sampling=sampling, limits=self.video_limits
@@ -530,6 +538,25 @@ class InputProcessor:
                 f"image {index}: image_embeds.image_grid_thw {[t, h, w]} does not fit this "
                 f"model: {problem}",
                 code="invalid_image_embeds",
+            )
+        return t, h, w
+
+
+    def _reference_video_grid(
+        self, grid: Sequence[int], index: int, size: dict[str, int] | None
+    ) -> tuple[int, int, int]:
+        """The grid of a metadata-only video reference (``video_embeds``), checked against
+        what this model's video rule can produce from at most ``--max-video-frames``
+        frames (``video_rule.reference_problem``). Its placeholder is sized from it."""
+        t, h, w = (int(v) for v in grid)
+        problem = self.video_rule.reference_problem(
+            (t, h, w), size=size, max_frames=self.video_limits.max_frames
+        )
+        if problem is not None:
+            raise InputError(
+                f"video {index}: video_embeds.video_grid_thw {[t, h, w]} does not fit this "
+                f"model: {problem}",
+                code="invalid_video_embeds",
             )
         return t, h, w
 

@@ -22,7 +22,10 @@ Contract of :func:`decode_video`:
 * only the sampled frames are kept: the decoder seeks to the keyframe before a
   sampled frame when that skips undecoded frames, and otherwise decodes forward;
 * a sampled frame that cannot be decoded (truncated or corrupt data) fails the
-  video; a frame of another size than the stream's header says fails it too.
+  video; a frame of another size than the stream's header says fails it too;
+* every decoded video is counted, with its sampled frames and its container
+  bytes (``ec_frontend_videos_decoded_total``, ``..._video_frames_decoded_total``,
+  ``..._video_bytes_decoded_total`` on ``/metrics``).
 
 The call is CPU-bound and blocking: the server runs it on its input-processing
 pool, never on the event loop.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import bisect
 import io
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -40,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ec_frontend.metrics import VIDEO_BYTES_DECODED, VIDEO_FRAMES_DECODED, VIDEOS_DECODED
 from ec_frontend.model.errors import InputError
 
 #: vLLM 0.33's defaults: ``VideoMediaIO(num_frames=32)``, the loader's ``fps=-1``.
@@ -135,11 +140,19 @@ def decode_video(
     except (av.FFmpegError, ValueError, OSError) as exc:
         raise _bad(index, f"is not a readable video container ({exc})") from exc
     try:
-        return _decode(container, index, sampling, limits)
+        decoded = _decode(container, index, sampling, limits)
     except (av.FFmpegError, OSError) as exc:
         raise _bad(index, f"could not be decoded (corrupt or truncated: {exc})") from exc
     finally:
         container.close()
+    with _count_lock:
+        VIDEOS_DECODED.inc()
+        VIDEO_FRAMES_DECODED.inc(amount=len(decoded.indices))
+        VIDEO_BYTES_DECODED.inc(amount=len(data))
+    return decoded
+
+
+_count_lock = threading.Lock()
 
 
 def _decode(

@@ -117,6 +117,32 @@ class QwenVideoRule:
             high = int(size.get("longest_edge", high))
         return smart_resize(height, width, self.patch_size * self.merge_size, low, high)
 
+    def reference_problem(
+        self,
+        grid: tuple[int, int, int],
+        *,
+        size: Mapping[str, int] | None = None,
+        max_frames: int,
+    ) -> str | None:
+        """Why a video grid reported by another instance (a ``video_embeds`` reference)
+        cannot come from this rule (``None``: it can): at most ``max_frames`` frames in
+        temporal patches, sides that are multiples of the merge size, and at most the
+        rule's ``max_pixels`` (or ``size``'s) per frame."""
+        t, h, w = grid
+        high = self.max_pixels if size is None else int(size.get("longest_edge", self.max_pixels))
+        most = -(-max_frames // self.temporal_patch_size)
+        if t > most:
+            return (
+                f"t is {t}; at most {max_frames} frames (--max-video-frames) make "
+                f"{most} temporal patches"
+            )
+        if h % self.merge_size or w % self.merge_size:
+            return f"h and w must be multiples of the merge size {self.merge_size}"
+        pixels = h * w * self.patch_size * self.patch_size
+        if pixels > high:
+            return f"{h * self.patch_size}x{w * self.patch_size} pixels is over max_pixels {high}"
+        return None
+
     def preprocess(
         self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
     ) -> tuple[tuple[int, int, int], torch.Tensor]:

@@ -168,22 +168,17 @@ fn chat_part(part: &Value<'_>, path: &Path<'_>, media: &mut MediaCollector<'_>) 
             Ok(Part::Video { media_index: index })
         }
         "image_embeds" => {
-            let ep = path.key("image_embeds");
-            let up = path.key("uuid");
-            let grid = embeds_grid(part.get("image_embeds"), &ep)?;
-            let uuid = opt_uuid(part, path)?.ok_or_else(|| {
-                value_error(
-                    &up,
-                    "an 'image_embeds' part needs the 'uuid' its encoder was given",
-                )
-            })?;
-            let index = media.add_image_embeds(uuid, grid, &ep, &up)?;
+            let index = embeds_part(part, path, MediaKind::Image, media)?;
             Ok(Part::Image { media_index: index })
+        }
+        "video_embeds" => {
+            let index = embeds_part(part, path, MediaKind::Video, media)?;
+            Ok(Part::Video { media_index: index })
         }
         other => Err(value_error(
             &tp,
             format!(
-                "unsupported content part type '{}': expected text, image_url, video_url or image_embeds",
+                "unsupported content part type '{}': expected text, image_url, video_url, image_embeds or video_embeds",
                 clip(other)
             ),
         )),
@@ -216,38 +211,70 @@ fn url_part(
     media.add_url_item(kind, url, uuid, &ip, &url_path, &path.key("uuid"))
 }
 
-/// The largest grid side accepted in an `image_embeds` reference (in patches); the
-/// model checks the grid against its own pixel range.
+/// The media item of a metadata-only reference (vLLM's `image_embeds` / `video_embeds`
+/// part): `part["<kind>_embeds"]` holds the grid, the `uuid` its encoder was given sits
+/// beside `type`.
+fn embeds_part(
+    part: &Value<'_>,
+    path: &Path<'_>,
+    kind: MediaKind,
+    media: &mut MediaCollector<'_>,
+) -> Result<usize> {
+    let field = match kind {
+        MediaKind::Image => "image_embeds",
+        MediaKind::Video => "video_embeds",
+    };
+    let ep = path.key(field);
+    let up = path.key("uuid");
+    let grid = embeds_grid(part.get(field), &ep, kind)?;
+    let uuid = opt_uuid(part, path)?.ok_or_else(|| {
+        value_error(
+            &up,
+            format!("an '{field}' part needs the 'uuid' its encoder was given"),
+        )
+    })?;
+    media.add_embeds(kind, uuid, grid, &ep, &up)
+}
+
+/// The largest grid side accepted in an `image_embeds` / `video_embeds` reference (in
+/// patches); the model checks the grid against its own pixel and frame range.
 pub const MAX_GRID_SIDE: i64 = 1 << 16;
 
-/// The `[t, h, w]` grid of an `image_embeds` part: an object holding exactly
-/// `image_grid_thw` (three positive integers, or one such triple in a list). Embedding
-/// tensors (a base64 string) are refused: the output must come through the connector.
-fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<[u32; 3]> {
+/// The `[t, h, w]` grid of an `image_embeds` (`video_embeds`) part: an object holding
+/// exactly `image_grid_thw` (`video_grid_thw`): three positive integers, or one such
+/// triple in a list. Embedding tensors (a base64 string) are refused: the output must
+/// come through the connector.
+fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Result<[u32; 3]> {
+    let (field, key) = match kind {
+        MediaKind::Image => ("image_embeds", "image_grid_thw"),
+        MediaKind::Video => ("video_embeds", "video_grid_thw"),
+    };
     let v = present(v).ok_or_else(|| missing(path))?;
     let members = match v {
         Value::Object(members) => members,
         Value::String(_) => {
             return Err(value_error(
                 path,
-                "embedding tensors are not accepted: 'image_embeds' must be placeholder \
-                 metadata ({\"image_grid_thw\": [t, h, w]}) for an encoder output that \
-                 arrives through the EC connector",
+                format!(
+                    "embedding tensors are not accepted: '{field}' must be placeholder \
+                     metadata ({{\"{key}\": [t, h, w]}}) for an encoder output that \
+                     arrives through the EC connector"
+                ),
             ))
         }
         other => return Err(type_error(path, "an object", other)),
     };
-    if let Some((key, _)) = members.iter().find(|(k, _)| k != "image_grid_thw") {
+    if let Some((name, _)) = members.iter().find(|(k, _)| k != key) {
         return Err(value_error(
             path,
             format!(
-                "unsupported image_embeds field '{}': expected only image_grid_thw",
-                clip(key)
+                "unsupported {field} field '{}': expected only {key}",
+                clip(name)
             ),
         ));
     }
-    let gp = path.key("image_grid_thw");
-    let grid = present(v.get("image_grid_thw")).ok_or_else(|| missing(&gp))?;
+    let gp = path.key(key);
+    let grid = present(v.get(key)).ok_or_else(|| missing(&gp))?;
     let mut values = array(grid, &gp)?;
     if let [inner @ Value::Array(_)] = values {
         values = array(inner, &gp)?;
@@ -255,7 +282,7 @@ fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<[u32; 3]> {
     if values.len() != 3 {
         return Err(value_error(
             &gp,
-            "'image_grid_thw' must be three positive integers [t, h, w]",
+            format!("'{key}' must be three positive integers [t, h, w]"),
         ));
     }
     let mut out = [0u32; 3];

@@ -145,11 +145,14 @@ impl<'l> MediaCollector<'l> {
         Ok(self.items.len() - 1)
     }
 
-    /// Adds a metadata-only reference (vLLM's `image_embeds` part): no bytes, only the
-    /// `uuid` the encoder was given and the grid it reported. The key is the encoder's
-    /// key for that uuid (same scope), so both instances name the output alike.
-    pub fn add_image_embeds(
+    /// Adds a metadata-only reference (vLLM's `image_embeds` / `video_embeds` part): no
+    /// bytes, only the `uuid` the encoder was given and the grid it reported. The key is
+    /// the encoder's key for that uuid as an item of `kind` (same scope; a video's key
+    /// covers the request's `media_io_kwargs.video`), so both instances name the output
+    /// alike.
+    pub fn add_embeds(
         &mut self,
+        kind: MediaKind,
         uuid: &str,
         grid_thw: [u32; 3],
         item_path: &Path<'_>,
@@ -158,12 +161,12 @@ impl<'l> MediaCollector<'l> {
         self.check_room(item_path)?;
         check_uuid(uuid, uuid_path)?;
         self.items.push(MediaItem {
-            kind: "image",
+            kind: kind.as_str(),
             mime_type: None,
             data: None,
             url: None,
             uuid: Some(uuid.to_owned()),
-            mm_hash: self.scope.uuid_hash(uuid),
+            mm_hash: self.scope.uuid_hash_of(kind, uuid),
             param: item_path.render(),
             grid_thw: Some(grid_thw),
         });

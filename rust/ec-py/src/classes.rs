@@ -161,6 +161,14 @@ impl PyMediaItem {
     }
 }
 
+impl PyMediaItem {
+    fn reference_grid(&self, kind: &str) -> Option<(u32, u32, u32)> {
+        self.grid_thw
+            .filter(|_| self.kind == kind)
+            .map(|[t, h, w]| (t, h, w))
+    }
+}
+
 #[pymethods]
 impl PyMediaItem {
     #[getter]
@@ -207,10 +215,15 @@ impl PyMediaItem {
     fn param(&self) -> &str {
         &self.param
     }
-    /// `(t, h, w)` of an `image_embeds` reference; `None` for an image with bytes or a URL.
+    /// `(t, h, w)` of an `image_embeds` reference; `None` for any other item.
     #[getter]
     fn image_grid_thw(&self) -> Option<(u32, u32, u32)> {
-        self.grid_thw.map(|[t, h, w]| (t, h, w))
+        self.reference_grid("image")
+    }
+    /// `(t, h, w)` of a `video_embeds` reference; `None` for any other item.
+    #[getter]
+    fn video_grid_thw(&self) -> Option<(u32, u32, u32)> {
+        self.reference_grid("video")
     }
     fn __len__(&self) -> usize {
         self.len
@@ -218,8 +231,9 @@ impl PyMediaItem {
     fn __repr__(&self) -> String {
         if let Some([t, h, w]) = self.grid_thw {
             return format!(
-                "MediaItem(kind='image', image_grid_thw=({t}, {h}, {w}), mm_hash='{}')",
-                self.mm_hash
+                "MediaItem(kind='{kind}', {kind}_grid_thw=({t}, {h}, {w}), mm_hash='{}')",
+                self.mm_hash,
+                kind = self.kind
             );
         }
         match &self.url {

@@ -147,7 +147,7 @@ class Serving:
         if problem is not None:
             raise APIError(400, problem, param="ec_transfer_params", code="invalid_value")
         for item in parsed.media:
-            if item.image_grid_thw is not None:
+            if item.image_grid_thw is not None or item.video_grid_thw is not None:
                 self._check_reference(item)
 
     async def resolve_media(self, parsed: ParsedRequest) -> Any:
@@ -181,14 +181,14 @@ class Serving:
         return resolved
 
     def _check_reference(self, item: Any) -> None:
-        """An ``image_embeds`` reference needs its encoder output from an EC connector,
-        or (a decode instance) the prompt's KV from a KV connector."""
+        """An ``image_embeds`` / ``video_embeds`` reference needs its encoder output from
+        an EC connector, or (a decode instance) the prompt's KV from a KV connector."""
         config = getattr(self.engine, "config", None)
         loaders = (getattr(config, "ec_transfer", None), getattr(config, "kv_transfer", None))
         if not any(c is not None and c.is_consumer for c in loaders):
             raise APIError(
                 400,
-                "an image_embeds reference needs its encoder output from an EC connector "
+                f"an {item.kind}_embeds reference needs its encoder output from an EC connector "
                 "(or its prompt's KV from a KV connector), and this server has neither "
                 "(--ec-transfer-config / --kv-transfer-config with a consumer role)",
                 param=item.param,

@@ -14,9 +14,11 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    when it can), the response says so in ``X-EC-Fallback`` and
    ``ec_frontend_proxy_encoder_fallbacks_total`` counts it. As vLLM's EPD proxy
    does, each item goes to the encoder named by a ``uuid`` (the client's, else
-   the SHA-256 of its URL), and the later stages get every encoded image as a
-   metadata-only ``image_embeds`` reference with that ``uuid`` and the encoder's
-   ``image_grid_thw``: no image bytes, no decoding, no preprocessing there;
+   the SHA-256 of its URL; a video with the request's ``media_io_kwargs``, which
+   enter its key), and the later stages get every encoded image as a metadata-only
+   ``image_embeds`` reference with that ``uuid`` and the encoder's
+   ``image_grid_thw``, every encoded video as a ``video_embeds`` reference with its
+   ``video_grid_thw``: no media bytes, no decoding, no preprocessing there;
 2. with prefill instances: the request goes to one (chosen by ``--routing`` on the
    prompt's prefix key; an unreachable one gives way to the next) with
    ``max_tokens: 1``, ``kv_transfer_params: {"do_remote_decode": true}`` and the ec
@@ -291,15 +293,26 @@ def stage_headers(request: Request) -> tuple[dict[str, str], dict[str, str]]:
     return headers, {"x-request-id": rid}
 
 
-def _image_parts(body: dict[str, Any]) -> Iterator[tuple[list[Any], int, dict[str, Any]]]:
-    """``(content, index, part)`` for every ``image_url`` part of a chat body."""
+#: The reference each encoded part type becomes for the next stage (vLLM's EPD proxy's
+#: ``EMBEDS_TYPES``): the part type, and the metadata key that carries its grid.
+REFERENCES = {
+    "image_url": ("image_embeds", "image_grid_thw"),
+    "video_url": ("video_embeds", "video_grid_thw"),
+}
+
+
+def _image_parts(
+    body: dict[str, Any], kinds: tuple[str, ...] = ("image_url",)
+) -> Iterator[tuple[list[Any], int, dict[str, Any]]]:
+    """``(content, index, part)`` for every part of ``kinds`` (``image_url``) of a chat
+    body."""
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for i, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url":
+            if isinstance(part, dict) and part.get("type") in kinds:
                 yield content, i, part
 
 
@@ -308,9 +321,10 @@ def part_key(part: dict[str, Any]) -> bytes:
 
 
 def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The distinct ``image_url`` content parts of a chat body, in order."""
+    """The distinct ``image_url`` and ``video_url`` content parts of a chat body, in
+    order."""
     parts: dict[bytes, dict[str, Any]] = {}
-    for _, _, part in _image_parts(body):
+    for _, _, part in _image_parts(body, tuple(REFERENCES)):
         parts.setdefault(part_key(part), part)
     return list(parts.values())
 
@@ -340,37 +354,36 @@ def at_client_part(exc: UpstreamError, body: dict[str, Any], part: dict[str, Any
 
 
 def item_uuid(part: dict[str, Any]) -> str:
-    """The name an image goes by on every stage: the client's ``uuid``, else (as
-    vLLM's EPD proxy names it) the SHA-256 of its URL."""
+    """The name an image or video goes by on every stage: the client's ``uuid``, else
+    (as vLLM's EPD proxy names it) the SHA-256 of its URL."""
     uid = part.get("uuid")
     if isinstance(uid, str) and uid:
         return uid
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    media = part.get("video_url" if part.get("type") == "video_url" else "image_url")
+    url = media.get("url") if isinstance(media, dict) else media
     return hashlib.sha256(str(url).encode()).hexdigest()
 
 
-def _grid(params: dict[str, Any]) -> Any:
-    """The ``image_grid_thw`` of a one-item encoder answer (``None`` when absent)."""
+def _grid(params: dict[str, Any], part: dict[str, Any]) -> Any:
+    """The grid (``image_grid_thw``, for a video ``video_grid_thw``) of a one-item
+    encoder answer for ``part`` (``None`` when absent)."""
     entries = list(params.values())
     entry = entries[0] if len(entries) == 1 else None
     metadata = entry.get("metadata") if isinstance(entry, dict) else None
-    return metadata.get("image_grid_thw") if isinstance(metadata, dict) else None
+    _, key = REFERENCES[part.get("type", "image_url")]
+    return metadata.get(key) if isinstance(metadata, dict) else None
 
 
 def as_references(body: dict[str, Any], grids: dict[bytes, Any]) -> dict[str, Any]:
-    """``body`` with each encoded image (``grids``: part key -> ``[t, h, w]``) as a
-    metadata-only ``image_embeds`` reference, so the next stage gets no image bytes;
-    images the encoders failed stay as they are (encoded there)."""
+    """``body`` with each encoded image or video (``grids``: part key -> ``[t, h, w]``)
+    as a metadata-only ``image_embeds`` / ``video_embeds`` reference, so the next stage
+    gets no media bytes; items the encoders failed stay as they are (encoded there)."""
     out = copy.deepcopy(body)
-    for content, i, part in list(_image_parts(out)):
+    for content, i, part in list(_image_parts(out, tuple(REFERENCES))):
         grid = grids.get(part_key(part))
         if grid is not None:
-            content[i] = {
-                "type": "image_embeds",
-                "image_embeds": {"image_grid_thw": grid},
-                "uuid": item_uuid(part),
-            }
+            kind, key = REFERENCES[part["type"]]
+            content[i] = {"type": kind, kind: {key: grid}, "uuid": item_uuid(part)}
     return out
 
 
@@ -519,8 +532,8 @@ class Proxy:
     ) -> tuple[dict[str, Any], Any] | None:
         """The item's ``ec_transfer_params`` from the first encoder that gives them (the
         item named by :func:`item_uuid`, so a reference can name it downstream), less
-        entries that fail verification, and the ``image_grid_thw`` the encoder reported
-        (metadata from an encoder this proxy chose; the item itself is found by its
+        entries that fail verification, and the grid the encoder reported (its
+        ``image_grid_thw`` or ``video_grid_thw``: metadata from an encoder this proxy chose; the item itself is found by its
         key, through the params or the consumer's connector)."""
         key = item_uuid(part).encode()
         try:
@@ -530,14 +543,15 @@ class Proxy:
         # An item of a prompt with several images goes in a chat of several image parts
         # (itself twice: one item, encoded once), so that a family whose encoding depends
         # on that (LLaVA-OneVision) encodes it as prefill and decode will use it.
-        copies = 2 if sum(1 for _ in _image_parts(body)) > 1 else 1
+        several = part.get("type") == "image_url" and sum(1 for _ in _image_parts(body)) > 1
+        copies = 2 if several else 1
         item_body: dict[str, Any] = {
             "model": body.get("model"),
             "messages": [{"role": "user", "content": [{**part, "uuid": item_uuid(part)}] * copies}],
             "max_tokens": 1,
             "stream": False,
         }
-        for scope in ("mm_processor_kwargs", "cache_salt"):
+        for scope in ("mm_processor_kwargs", "cache_salt", "media_io_kwargs"):
             if scope in body:
                 item_body[scope] = body[scope]
         for attempt, url in enumerate(urls):
@@ -572,7 +586,7 @@ class Proxy:
                     self.metrics.encoder_requests.inc(("unverified",))
                     return None
                 self.metrics.encoder_requests.inc(("ok",))
-                return (params if isinstance(params, dict) else {}), _grid(raw)
+                return (params if isinstance(params, dict) else {}), _grid(raw, part)
             self.metrics.encoder_requests.inc(("no_params",))
         return None
 
@@ -599,7 +613,7 @@ class Proxy:
         self, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[dict[str, Any], dict[bytes, Any], bool]:
         """``(ec_transfer_params, grids, fell_back)`` for the body's media items;
-        ``grids`` maps each encoded part to the ``image_grid_thw`` its encoder reported."""
+        ``grids`` maps each encoded part to the grid its encoder reported."""
         parts = media_parts(body)
         if not parts or Role.ENCODE not in self.members.roles():
             return {}, {}, False

@@ -114,7 +114,7 @@ class Router:
         return [first, *rest]
 
 
-_MEDIA_TYPES = ("image_url", "video_url", "input_audio", "image_embeds")
+_MEDIA_TYPES = ("image_url", "video_url", "input_audio", "image_embeds", "video_embeds")
 
 
 def _part(part: Any) -> Any:
