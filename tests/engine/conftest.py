@@ -242,6 +242,7 @@ class Helpers:
     fake_request = staticmethod(fake_request)
     fake_runner_output = staticmethod(fake_runner_output)
     image_media = staticmethod(image_media)
+    Media = Media
     chat_inputs = staticmethod(chat_inputs)
     run_to_completion = staticmethod(run_to_completion)
     assert_no_leaks = staticmethod(assert_no_leaks)

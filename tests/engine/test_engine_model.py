@@ -4,6 +4,7 @@ continuous batching, preemption, stop strings and resilience."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from ec_frontend.connectors.shared_storage import ECSharedStorageConnector
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams
+from ec_frontend.entrypoints.http.errors import engine_failure
+
+from ..helpers.video import make_clip
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +110,52 @@ def test_encoder_only_allocates_no_kv_and_never_calls_the_lm(
     assert stats.ec_items_saved_total == 2 and stats.prompt_tokens_computed_total == 0
     assert stats.generation_tokens_total == 0 and stats.lm_forward_calls_total == 0
     h.assert_no_leaks(core)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoReference:
+    """A ``video_embeds`` reference as the processor reads it (the native item's
+    ``video_grid_thw``, no bytes)."""
+
+    mm_hash: str
+    video_grid_thw: tuple[int, int, int]
+    data: bytes | None = None
+
+
+def test_encoder_reports_a_video_and_a_video_over_the_encoder_cache_fails_alone(
+    make_engine: Any, processor: Any, h: Any, greedy: Any, tmp_path: Path
+) -> None:
+    """An encoder's entry for a video is vLLM's (``modality`` video, its
+    ``video_grid_thw``); a reference with that grid is sized and placed exactly as the
+    decoded video; a video with more placeholder rows than the encoder cache holds
+    fails alone, naming ``--encoder-cache-size`` (400), as vLLM refuses it."""
+    clip = make_clip(8)
+    video = h.Media(clip, hashlib.blake2b(clip, digest_size=16).hexdigest())
+    content = [{"type": "video", "media_index": 0}, {"type": "text", "text": "x"}]
+    inputs = processor.process_chat([{"role": "user", "content": content}], [video])
+    (feature,) = inputs.mm_features
+    assert feature.modality == "video" and feature.image_grid_thw[0] == 4
+    core, _ = make_engine(ec=storage(tmp_path, "ec_producer"))
+    core.add_request("v", inputs, greedy())
+    entry = h.run_to_completion(core)["v"].ec_transfer_params[video.mm_hash]
+    assert entry["modality"] == "video" and entry["item_indices"] == [0]
+    assert entry["metadata"] == {"video_grid_thw": list(feature.image_grid_thw)}
+    assert entry["num_tokens"] == feature.length
+    ref = VideoReference(video.mm_hash, feature.image_grid_thw)
+    sized = processor.process_chat([{"role": "user", "content": content}], [ref])
+    assert sized.prompt_token_ids == inputs.prompt_token_ids
+    assert torch.equal(sized.mrope_positions, inputs.mrope_positions)
+    assert sized.mm_features[0].pixel_values is None
+    small, _ = make_engine(encoder_cache_size=16, encoder_compute_budget=16)
+    assert feature.length > 16
+    small.add_request("big", inputs, greedy())
+    small.add_request("fits", h.chat_inputs(processor, "x", [h.image_media(5)]), greedy(2))
+    results = h.run_to_completion(small)
+    error = results["big"].error
+    assert results["big"].finish_reason == "error" and "(--encoder-cache-size)" in error
+    assert engine_failure(error).status == 400
+    assert results["fits"].finish_reason == "length"
+    h.assert_no_leaks(small)
 
 
 def test_encoder_only_from_config_loads_no_language_model(

@@ -17,6 +17,7 @@ and the instance stays healthy.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +29,14 @@ import pytest
 
 from ..disagg.conftest import (
     png_data_url,
+    proxy,
     serve,
     shared_storage_ec,
     side_channel_ec,
     side_channel_kv,
 )
 from ..helpers.processes import start_all
+from ..helpers.video import make_clip
 from .conftest import MODEL_NAME, VllmScript
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -77,7 +80,12 @@ def dep(
         "d": serve(m, "d", kv=side_channel_kv("kv_consumer")),
     }  # fmt: skip
     start_all(list(procs.values()))
-    proxies = {
+    ours = {
+        "ours_sc": proxy("ours_sc", encode=[procs["e_sc"].url], decode=[procs["pd_sc"].url]),
+        "ours_epd": proxy("ours_epd", encode=[procs["e_ss"].url], prefill=[procs["p_ss"].url],
+                          decode=[procs["d"].url]),
+    }  # fmt: skip
+    proxies: dict[str, Any] = {
         "example": vllm_proxy(vllm_python, procs["e_ex"].url, procs["pd_ex"].url),
         "side_channel": vllm_proxy(vllm_python, procs["e_sc"].url, procs["pd_sc"].url),
         "epd": vllm_proxy(
@@ -87,9 +95,10 @@ def dep(
     try:
         for p in proxies.values():
             p.wait_ready()
-        yield {**procs, "proxies": proxies, "shared": shared}
+        start_all(list(ours.values()))
+        yield {**procs, "proxies": {**proxies, **ours}, "shared": shared}
     finally:
-        for p in proxies.values():
+        for p in [*proxies.values(), *ours.values()]:
             p.stop()
         for proc in procs.values():
             proc.stop()
@@ -161,6 +170,10 @@ def reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
     return {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid}, "uuid": uuid}
 
 
+def video_reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
+    return {"type": "video_embeds", "video_embeds": {"video_grid_thw": grid}, "uuid": uuid}
+
+
 @pytest.mark.parametrize(
     ("target", "body", "want"),
     [
@@ -178,6 +191,12 @@ def reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
         ("pd_sc", embeds_body(reference([1, 4, 4]), ec_transfer_params={"ec_items": [3]}),
          "ec_transfer_params"),
         ("agg", embeds_body(reference([1, 4, 4])), "messages[0].content[0].image_embeds"),
+        ("agg", embeds_body(video_reference([2, 4, 4])), "messages[0].content[0].video_embeds"),
+        ("pd_ex", embeds_body({"type": "video_embeds", "video_embeds": "AAAA", "uuid": "u"}),
+         "messages[0].content[0].video_embeds"),
+        ("pd_ex", embeds_body(video_reference([2, 3, 4])), "invalid_video_embeds"),
+        ("pd_ex", embeds_body(video_reference([65, 4, 4])), "invalid_video_embeds"),
+        ("pd_sc", embeds_body(video_reference([2, 4, 4])), "ec_item_unavailable"),
         # A well-formed reference whose output no connector can load: that request fails.
         ("pd_ex", embeds_body(reference([1, 4, 4])), "ec_item_unavailable"),
         ("pd_sc", embeds_body(reference([1, 4, 4])), "ec_item_unavailable"),
@@ -197,3 +216,61 @@ def test_bad_references_are_400_and_the_instance_stays_healthy(
         "model": MODEL_NAME, "max_tokens": 2,
         "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert ok.status_code == 200, ok.text
+
+
+CLIP = "data:video/mp4;base64," + base64.b64encode(make_clip(8)).decode()
+VIDEO_PROMPTS: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
+    "video": ([{"type": "video_url", "video_url": {"url": CLIP}}], {}),
+    "image+video": (
+        [{"type": "image_url", "image_url": {"url": IMAGES[0]}},
+         {"type": "video_url", "video_url": {"url": CLIP}}],
+        {"media_io_kwargs": {"video": {"num_frames": 4}}},
+    ),
+}  # fmt: skip
+_AGG_VIDEO: dict[str, tuple[str, int | None]] = {}
+
+
+def ask_video(url: str, prompt: str) -> tuple[str, int | None]:
+    """Greedy answer text and prompt tokens for one of :data:`VIDEO_PROMPTS`."""
+    parts, extra = VIDEO_PROMPTS[prompt]
+    messages: Any = [{"role": "user", "content": [*parts, {"type": "text", "text": "what?"}]}]
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0.0, extra_body=extra
+        )
+    assert r.usage is not None
+    return r.choices[0].message.content or "", r.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("prompt", list(VIDEO_PROMPTS))
+@pytest.mark.parametrize(
+    ("proxy", "encoder", "pd"),
+    [("example", "e_ex", "pd_ex"), ("side_channel", "e_sc", "pd_sc"), ("epd", "e_ss", "p_ss"),
+     ("ours_sc", "e_sc", "pd_sc"), ("ours_epd", "e_ss", "p_ss")],
+)  # fmt: skip
+def test_video_through_both_proxies_token_identical_and_decoded_only_by_the_encoder(
+    dep: dict[str, Any], proxy: str, encoder: str, pd: str, prompt: str
+) -> None:
+    """A video (and an image beside a video, sampled by ``media_io_kwargs``) through
+    vLLM's proxy and ours, E+PD and E+P+D: the answer is the aggregated one, the video
+    is decoded and encoded by the encoder only, and prefill / decode get metadata-only
+    ``video_embeds`` references (they decode no video and compute no encoder item)."""
+    if prompt not in _AGG_VIDEO:
+        _AGG_VIDEO[prompt] = ask_video(dep["agg"].url, prompt)
+    e, d = dep[encoder], dep[pd]
+    decoded_before = e.metric("videos_decoded_total")
+    got = ask_video(dep["proxies"][proxy].url, prompt)
+    assert got == _AGG_VIDEO[prompt], (proxy, dep["proxies"][proxy].log()[-2000:])
+    if not proxy.startswith("ours"):
+        rewrote = f"Rewrote {len(VIDEO_PROMPTS[prompt][0])} media item(s) as metadata references"
+        assert rewrote in dep["proxies"][proxy].log()
+    assert e.metric("videos_decoded_total") == decoded_before + 1
+    assert e.metric("video_frames_decoded_total") > 0
+    downstream = [d, dep["d"]] if pd == "p_ss" else [d]
+    for instance in downstream:
+        assert instance.metric("videos_decoded_total") == 0, instance.log()
+        assert instance.metric("video_frames_decoded_total") == 0
+        assert instance.metric("video_bytes_decoded_total") == 0
+        assert instance.metric("encoder_items_computed_total") == 0
+    assert d.metric("ec_load_fallbacks_total") == 0
+    assert dep["agg"].metric("videos_decoded_total") >= 1

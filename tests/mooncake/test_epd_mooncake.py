@@ -17,6 +17,7 @@ things: prefill killed before decode's read, then the master killed mid-run.
 
 from __future__ import annotations
 
+import base64
 import time
 import zlib
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ import pytest
 
 from ..disagg.conftest import MODEL_NAME, RelayEncoder, messages, png_data_url, proxy, serve
 from ..helpers.processes import Proc, start_all
+from ..helpers.video import make_clip
 from .conftest import Master, mooncake_kv, raw_client, store_ec, until
 
 pytestmark = pytest.mark.slow
@@ -165,6 +167,29 @@ def test_decode_computes_no_prompt_token(dep: dict[str, Any]) -> None:
     assert dep["p"].settled_metric("kv_requests_held", 0, timeout_s=5) == 0
     assert delta(before, dep, "p", "kv_tokens_sent_total") == prompt
     assert_idle(dep, "p", "d")
+
+
+def test_a_video_moves_through_the_store(dep: dict[str, Any]) -> None:
+    """A video beside an image, E+PD and E+P+D over Mooncake: the answer is the
+    aggregated one; the encoder decodes and encodes the video, PD / P load it from the
+    store and decode no video (D gets the KV)."""
+    clip = "data:video/mp4;base64," + base64.b64encode(make_clip(6)).decode()
+    content = [
+        {"type": "video_url", "video_url": {"url": clip}},
+        *messages("And this?", RED)[0]["content"],
+    ]
+    msgs = [{"role": "user", "content": content}]
+    want = chat(dep["agg"], msgs, stream=False)
+    for topology, consumers in (("E+PD1", ("pd1",)), ("E+P+D", ("p", "d"))):
+        before = metrics(dep, "e", *consumers)
+        assert chat(dep[topology], msgs, stream=False) == want, topology
+        assert delta(before, dep, "e", "videos_decoded_total") == 1
+        for name in consumers:
+            for metric in ("videos_decoded_total", "encoder_items_computed_total"):
+                assert delta(before, dep, name, metric) == 0, (topology, name, metric)
+        assert delta(before, dep, consumers[0], "ec_items_loaded_total") >= 1
+        assert delta(before, dep, consumers[0], "ec_load_fallbacks_total") == 0
+    assert_idle(dep, "e", "pd1", "p", "d")
 
 
 def test_an_item_evicted_before_pd_reads_it(dep: dict[str, Any]) -> None:
