@@ -11,8 +11,9 @@ each position) and ``metadata`` what the consumer needs to size the item's
 placeholder without the media: for Qwen2-VL images, the ``image_grid_thw`` the
 processor produced; for its videos (``"modality": "video"``), the
 ``video_grid_thw``. vLLM's EPD proxy turns them into metadata-only
-``image_embeds`` / ``video_embeds`` references for the prefill/decode instance. ec-frontend's producers add these fields next to
-their own transfer fields (before signing, so a signature covers them).
+``image_embeds`` / ``video_embeds`` references for the prefill/decode instance.
+ec-frontend's producers add these fields next to their own transfer fields
+(before signing, so a signature covers them).
 """
 
 from __future__ import annotations

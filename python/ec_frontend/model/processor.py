@@ -533,14 +533,7 @@ class InputProcessor:
             problem = f"h and w must be multiples of the merge size {merge}"
         elif isinstance(patch, int) and h * w * patch * patch > high:
             problem = f"{h * patch}x{w * patch} pixels is over this model's max_pixels {high}"
-        if problem is not None:
-            raise InputError(
-                f"image {index}: image_embeds.image_grid_thw {[t, h, w]} does not fit this "
-                f"model: {problem}",
-                code="invalid_image_embeds",
-            )
-        return t, h, w
-
+        return _fitting_reference("image", index, (t, h, w), problem)
 
     def _reference_video_grid(
         self, grid: Sequence[int], index: int, size: dict[str, int] | None
@@ -552,13 +545,21 @@ class InputProcessor:
         problem = self.video_rule.reference_problem(
             (t, h, w), size=size, max_frames=self.video_limits.max_frames
         )
-        if problem is not None:
-            raise InputError(
-                f"video {index}: video_embeds.video_grid_thw {[t, h, w]} does not fit this "
-                f"model: {problem}",
-                code="invalid_video_embeds",
-            )
-        return t, h, w
+        return _fitting_reference("video", index, (t, h, w), problem)
+
+
+def _fitting_reference(
+    kind: str, index: int, grid: tuple[int, int, int], problem: str | None
+) -> tuple[int, int, int]:
+    """``grid`` of an ``image_embeds`` / ``video_embeds`` reference, or the 400
+    ``invalid_<kind>_embeds`` naming its ``problem``."""
+    if problem is not None:
+        raise InputError(
+            f"{kind} {index}: {kind}_embeds.{kind}_grid_thw {list(grid)} does not fit this "
+            f"model: {problem}",
+            code=f"invalid_{kind}_embeds",
+        )
+    return grid
 
 
 def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -7,15 +7,11 @@ use common::{ok, parse, PNG_B64};
 use ec_core::Endpoint;
 
 fn chat(part: &str, extra: &str) -> String {
-    format!(
-        r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what?"}},{part}]}}]{extra}}}"#
-    )
+    common::chat_after_text(part, extra)
 }
 
 fn embeds(uuid: &str, grid: &str) -> String {
-    format!(
-        r#"{{"type":"image_embeds","image_embeds":{{"image_grid_thw":{grid}}},"uuid":"{uuid}"}}"#
-    )
+    common::embeds_part("image", uuid, grid)
 }
 
 #[test]

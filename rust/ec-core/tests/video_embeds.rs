@@ -10,15 +10,11 @@ use ec_core::{Endpoint, Part};
 const VIDEO_URL: &str = "data:video/mp4;base64,AAAAGGZ0eXBtcDQyAAAAAG1wNDJpc29t";
 
 fn chat(part: &str, extra: &str) -> String {
-    format!(
-        r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what?"}},{part}]}}]{extra}}}"#
-    )
+    common::chat_after_text(part, extra)
 }
 
 fn embeds(uuid: &str, grid: &str) -> String {
-    format!(
-        r#"{{"type":"video_embeds","video_embeds":{{"video_grid_thw":{grid}}},"uuid":"{uuid}"}}"#
-    )
+    common::embeds_part("video", uuid, grid)
 }
 
 #[test]

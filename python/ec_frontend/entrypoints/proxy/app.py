@@ -533,8 +533,9 @@ class Proxy:
         """The item's ``ec_transfer_params`` from the first encoder that gives them (the
         item named by :func:`item_uuid`, so a reference can name it downstream), less
         entries that fail verification, and the grid the encoder reported (its
-        ``image_grid_thw`` or ``video_grid_thw``: metadata from an encoder this proxy chose; the item itself is found by its
-        key, through the params or the consumer's connector)."""
+        ``image_grid_thw`` or ``video_grid_thw``: metadata from an encoder this proxy
+        chose; the item itself is found by its key, through the params or the
+        consumer's connector)."""
         key = item_uuid(part).encode()
         try:
             urls = self._order(Role.ENCODE, key)
