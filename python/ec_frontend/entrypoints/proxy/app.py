@@ -679,8 +679,8 @@ class Proxy:
         items = count_media_parts(body)
         if items > self.config.max_media_items:
             message = (
-                f"the request has {items} media items (images to encode and image_embeds "
-                f"references together); at most {self.config.max_media_items} are allowed "
+                f"the request has {items} media items (images and videos to encode and "
+                f"_embeds references together); at most {self.config.max_media_items} are allowed "
                 "(--max-media-items)"
             )
             param = "features.mm_hashes" if endpoint == "generate" else "messages"

@@ -162,7 +162,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         ("--max-body-bytes", int, d.max_body_bytes,
          "largest accepted request body; larger ones get 413 (default %(default)s)"),
         ("--max-media-items", int, d.max_media_items,
-         "media items per request (images and image_embeds references); more get 400 "
+         "media items per request (images, videos and their _embeds references); more get 400 "
          "before any encoder request (default %(default)s)"),
         ("--max-encoder-fanout", int, d.max_encoder_fanout,
          "encoder requests in flight per client request (default %(default)s)"),
