@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from ec_frontend.model import builtin
 from ec_frontend.model.loader import load_processor
 from ec_frontend.model.processor import InputProcessor
 from transformers import Qwen2_5_VLForConditionalGeneration
@@ -37,7 +36,7 @@ from .video_flows import (
     process,
     ref_inputs,
     run_reference,
-    write_video_config,
+    write_qwen2_video_config,
 )
 
 pytestmark = pytest.mark.slow
@@ -62,18 +61,7 @@ def png() -> bytes:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = write_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_video"))
-    write_video_config(
-        directory,
-        video_processor_type="Qwen2VLVideoProcessor",
-        size={"shortest_edge": builtin.MIN_PIXELS, "longest_edge": builtin.MAX_PIXELS},
-        patch_size=builtin.PATCH_SIZE,
-        temporal_patch_size=builtin.TEMPORAL_PATCH_SIZE,
-        merge_size=builtin.SPATIAL_MERGE_SIZE,
-        image_mean=[0.48145466, 0.4578275, 0.40821073],
-        image_std=[0.26862954, 0.26130258, 0.27577711],
-        rescale_factor=1 / 255,
-        resample=3,
-    )
+    write_qwen2_video_config(directory)
     return directory
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from ec_frontend.model import builtin
 from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 from ec_frontend.model.video import VideoLimits, VideoSampling, decode_video
 from transformers import PreTrainedTokenizerFast
@@ -54,6 +55,24 @@ class Media:
 def write_video_config(directory: Path, **config: Any) -> None:
     """The checkpoint's ``video_preprocessor_config.json`` (transformers' keys)."""
     (directory / "video_preprocessor_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+def write_qwen2_video_config(directory: Path) -> None:
+    """transformers' ``Qwen2VLVideoProcessor`` config (Qwen2-VL's and Qwen2.5-VL's),
+    with the built-in image processor's values and a frame pixel range as small as
+    the image one."""
+    write_video_config(
+        directory,
+        video_processor_type="Qwen2VLVideoProcessor",
+        size={"shortest_edge": builtin.MIN_PIXELS, "longest_edge": builtin.MAX_PIXELS},
+        patch_size=builtin.PATCH_SIZE,
+        temporal_patch_size=builtin.TEMPORAL_PATCH_SIZE,
+        merge_size=builtin.SPATIAL_MERGE_SIZE,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+        rescale_factor=1 / 255,
+        resample=3,
+    )
 
 
 def template_messages(case: Case) -> list[dict[str, Any]]:
