@@ -15,28 +15,25 @@ patches beside an image.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from ec_frontend.model.errors import InputError
-from ec_frontend.model.loader import load_processor
 from ec_frontend.model.processor import InputProcessor
 from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
 
-from ..disagg.conftest import serve
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import Proc
 from ..helpers.video import make_clip
 from .conftest import image_bytes, write_qwen3_vl
 from .video_flows import (
     Case,
-    check_rope_index,
+    check_image_and_rope_index,
     check_served,
     process,
     ref_inputs,
-    run_reference,
+    video_fixtures,
     write_video_config,
 )
 
@@ -47,6 +44,10 @@ CASES: dict[str, Case] = {
     "video-3": (False, {"num_frames": 3}, "What happens in this clip?"),
     "image+video": (True, None, "Compare the picture with the clip."),
 }
+
+reference, hf_model, ours, server = video_fixtures(
+    CASES, Qwen3VLForConditionalGeneration, "qwen3_vl"
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,33 +78,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module")
-def reference(
-    model_dir: Path, clip: bytes, png: bytes, tmp_path_factory: pytest.TempPathFactory
-) -> Any:
-    tmp = tmp_path_factory.mktemp("qwen3_vl_video_reference")
-    return run_reference(model_dir, CASES, clip, png, tmp, family="qwen3_vl")
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir: Path) -> Any:
-    return Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def ours(model_dir: Path) -> InputProcessor:
-    return load_processor(model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[Proc]:
-    (proc,) = start_all([serve(model_dir, "qwen3_vl_video")])
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_processor_timestamps_and_rope_match_transformers(
     ours: InputProcessor, hf_model: Any, reference: Any, clip: bytes, png: bytes, name: str
@@ -117,11 +91,7 @@ def test_processor_timestamps_and_rope_match_transformers(
     assert len({f.mm_hash for f in patches}) == t
     pixels = torch.cat([f.pixel_values for f in patches if f.pixel_values is not None])
     torch.testing.assert_close(pixels, ref["pixel_values_videos"], atol=0, rtol=0)
-    if CASES[name][0]:
-        torch.testing.assert_close(
-            mine.mm_features[0].pixel_values, ref["pixel_values"], atol=0, rtol=0
-        )
-    check_rope_index(mine, hf_model, ref)
+    check_image_and_rope_index(mine, hf_model, ref)
 
 
 def test_the_prompt_carries_each_patch_time(model_dir: Path, reference: Any) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,13 @@ import openai
 import pytest
 import torch
 from ec_frontend.model import builtin
+from ec_frontend.model.loader import load_processor
 from ec_frontend.model.processor import InputProcessor, ProcessedInputs
 from ec_frontend.model.video import VideoLimits, VideoSampling, decode_video
 from transformers import PreTrainedTokenizerFast
 
-from ..helpers.processes import Proc
+from ..disagg.conftest import serve
+from ..helpers.processes import Proc, start_all
 from .conftest import data_url
 
 MAX_TOKENS = 8
@@ -161,9 +164,14 @@ def process(ours: InputProcessor, case: Case, clip: bytes, png: bytes) -> Proces
     )
 
 
-def check_rope_index(mine: ProcessedInputs, hf_model: Any, ref: dict[str, Any]) -> None:
-    """Our positions and decode delta equal ``get_rope_index`` over the reference's
+def check_image_and_rope_index(mine: ProcessedInputs, hf_model: Any, ref: dict[str, Any]) -> None:
+    """The image's pixels (when the case has one, the first item) equal the reference's,
+    and our positions and decode delta equal ``get_rope_index`` over the reference's
     ids and grids (and ``second_per_grid_ts`` where the family has it)."""
+    if "pixel_values" in ref:
+        torch.testing.assert_close(
+            mine.mm_features[0].pixel_values, ref["pixel_values"], atol=0, rtol=0
+        )
     ids = ref["input_ids"]
     config = hf_model.config
     types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
@@ -213,3 +221,36 @@ def check_served(
     assert list((r.choices[0].model_extra or {})["token_ids"]) == want
     assert r.usage is not None
     assert r.usage.prompt_tokens == reference[f"{name}/input_ids"].shape[1]
+
+
+def video_fixtures(cases: dict[str, Case], hf_class: Any, family: str | None = None) -> Any:
+    """The module fixtures of a family's video test, on its module's ``model_dir``,
+    ``clip`` and ``png`` fixtures: ``reference`` (transformers' processor over
+    ``cases``: :func:`run_reference`, with ``family``'s metadata), ``hf_model``
+    (``hf_class``, float32, eval), ``ours`` (our processor) and ``server`` (one
+    aggregated ``ec-frontend serve``)."""
+
+    @pytest.fixture(scope="module")
+    def reference(
+        model_dir: Path, clip: bytes, png: bytes, tmp_path_factory: pytest.TempPathFactory
+    ) -> Any:
+        tmp = tmp_path_factory.mktemp("video_reference")
+        return run_reference(model_dir, cases, clip, png, tmp, family=family)
+
+    @pytest.fixture(scope="module")
+    def hf_model(model_dir: Path) -> Any:
+        return hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @pytest.fixture(scope="module")
+    def ours(model_dir: Path) -> InputProcessor:
+        return load_processor(model_dir)
+
+    @pytest.fixture(scope="module")
+    def server(model_dir: Path) -> Iterator[Proc]:
+        (proc,) = start_all([serve(model_dir, f"{family}_video")])
+        try:
+            yield proc
+        finally:
+            proc.stop()
+
+    return reference, hf_model, ours, server
