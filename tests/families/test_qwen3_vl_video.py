@@ -22,7 +22,9 @@ import pytest
 import torch
 from ec_frontend.model.errors import InputError
 from ec_frontend.model.processor import InputProcessor
+from ec_frontend.model.video_processor import qwen3_smart_resize
 from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from ..helpers.processes import Proc
 from ..helpers.video import make_clip
@@ -116,3 +118,16 @@ def test_served_greedy_matches_transformers_generate(
     server: Proc, hf_model: Any, reference: Any, clip: bytes, png: bytes, name: str
 ) -> None:
     check_served(server, hf_model, reference, CASES[name], name, clip, png)
+
+
+@pytest.mark.parametrize(
+    ("frames", "height", "width"),
+    # within the range, over it (shrunk), under it (grown), smaller than a merge
+    # window (scaled up first), an odd frame count, a tall frame
+    [(4, 64, 96), (32, 720, 1280), (2, 40, 40), (8, 20, 30), (5, 250, 170), (3, 3000, 40)],
+)
+def test_target_size_equals_transformers_smart_resize(frames, height, width):
+    kwargs = {"temporal_factor": 2, "factor": 32, "min_pixels": 4096, "max_pixels": 65536}
+    assert qwen3_smart_resize(frames, height, width, **kwargs) == smart_resize(
+        frames, height, width, **kwargs
+    )
