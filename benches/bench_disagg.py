@@ -3,7 +3,9 @@
 Two measurements, each against a baseline taken in the same run:
 
 1. **E+PD vs aggregated**: streamed chat requests with two distinct images
-   each (fresh images, so no cache hits), ``--concurrency`` in flight, through
+   each (fresh images, so no cache hits), or with ``--media video`` one fresh
+   video each (``--video-frames`` frames of ``--image-size`` pixels a side,
+   H.264, written by PyAV), ``--concurrency`` in flight, through
    ``ec-frontend proxy`` (side-channel encoder -> PD) and straight to one
    aggregated instance. Time to first token (client side), requests/s and
    output tokens/s; rounds alternate between the two and the medians count.
@@ -14,7 +16,9 @@ Two measurements, each against a baseline taken in the same run:
 
 Writes ``benches/results/bench_disagg.json``.
 
-Run: ``.venv/bin/python benches/bench_disagg.py [--requests 32] [--concurrency 8] [--rounds 2]``.
+Run: ``.venv/bin/python benches/bench_disagg.py [--requests 32] [--concurrency 8] [--rounds 2]``;
+``--media video --only epd`` for videos (the first measurement alone), written to
+``benches/results/bench_disagg_video.json``.
 """
 
 from __future__ import annotations
@@ -99,9 +103,42 @@ def image_url(rng: random.Random, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def video_url(rng: random.Random, size: int, frames: int) -> str:
+    """A fresh H.264 MP4 of ``frames`` noisy tinted frames at 8 fps, as a data URL."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
+        gen = np.random.default_rng(rng.randrange(2**32))
+        for _ in range(frames):
+            rgb = gen.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def media_body(rng: random.Random, args: argparse.Namespace, max_tokens: int) -> dict[str, Any]:
+    """A streamed chat request with two fresh images, or one fresh video."""
+    if args.media == "video":
+        url = video_url(rng, args.image_size, args.video_frames)
+        content: list[dict[str, Any]] = [{"type": "video_url", "video_url": {"url": url}}]
+        content.append({"type": "text", "text": "Describe what happens in the video."})
+        return _chat_body(content, max_tokens)
+    return two_image_body(rng, args.image_size, max_tokens)
+
+
 def two_image_body(rng: random.Random, size: int, max_tokens: int) -> dict[str, Any]:
     content = [{"type": "image_url", "image_url": {"url": image_url(rng, size)}} for _ in range(2)]
     content.append({"type": "text", "text": "Compare the two pictures in detail."})
+    return _chat_body(content, max_tokens)
+
+
+def _chat_body(content: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
@@ -181,16 +218,13 @@ def bench_epd_vs_agg(args: argparse.Namespace) -> dict[str, Any]:
         px = Proc("proxy", ["--encode", enc.url, "--decode", pd.url]).wait()
         procs.append(px)
         rng = random.Random(0)
-        warm = [two_image_body(rng, args.image_size, 4) for _ in range(4)]
+        warm = [media_body(rng, args, 4) for _ in range(4)]
         for url in (agg.url, px.url):
             asyncio.run(run_load(url, warm, 2))
         rounds: dict[str, list[dict[str, Any]]] = {"aggregated": [], "e+pd": []}
         for _ in range(args.rounds):
             for name, url in (("aggregated", agg.url), ("e+pd", px.url)):
-                bodies = [
-                    two_image_body(rng, args.image_size, args.max_tokens)
-                    for _ in range(args.requests)
-                ]
+                bodies = [media_body(rng, args, args.max_tokens) for _ in range(args.requests)]
                 result = asyncio.run(run_load(url, bodies, args.concurrency))
                 rounds[name].append(result)
                 print(name, json.dumps({k: round(v, 2) for k, v in result.items()}), flush=True)
@@ -287,20 +321,29 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=300)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--pd-iterations", type=int, default=10)
+    ap.add_argument("--media", choices=("image", "video"), default="image")
+    ap.add_argument("--video-frames", type=int, default=16)
+    ap.add_argument("--only", choices=("epd", "generate"), help="one measurement alone")
     args = ap.parse_args()
-    results = {
+    results: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "load": os.getloadavg(),
         },
         "settings": vars(args),
-        "generate_through_pd": bench_generate_through_pd(args),
     }
-    print(json.dumps(results["generate_through_pd"], indent=1), flush=True)
-    results["epd_vs_aggregated"] = bench_epd_vs_agg(args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    if args.only != "epd":
+        results["generate_through_pd"] = bench_generate_through_pd(args)
+        print(json.dumps(results["generate_through_pd"], indent=1), flush=True)
+    if args.only != "generate":
+        results["epd_vs_aggregated"] = bench_epd_vs_agg(args)
+    out = RESULTS.with_name("bench_disagg_video.json") if args.media == "video" else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    if "epd_vs_aggregated" not in results:
+        return
     summary = {k: v for k, v in results["epd_vs_aggregated"].items() if k != "rounds"}
     print(json.dumps(summary, indent=1))
 

@@ -128,12 +128,22 @@ def png_url(seed: int, size: int = 112) -> str:
 
 
 class Server:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        program: Callable[[int], list[str]] | None = None,
+    ) -> None:
+        """``program``: the command for a port, in place of ``ec-frontend serve`` (the
+        server's flags, ``args``, then come to it in ``env``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve"]
-        cmd += ["--port", str(self.port), "--log-level", "warning", "--served-model-name", "m"]
-        cmd += args
+        if program is None:
+            cmd = [sys.executable, "-m", "ec_frontend.entrypoints.cli", "serve"]
+            cmd += ["--port", str(self.port), "--log-level", "warning", "--served-model-name", "m"]
+            cmd += args
+        else:
+            cmd = program(self.port)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -444,6 +454,22 @@ def ceiling(args: list[str], opts: argparse.Namespace) -> list[dict[str, Any]]:
         del core
         torch.set_num_threads(previous)
     return rows
+
+
+def write_report(
+    out: Path, med: dict[str, Any], ratios: dict[str, Any], runs: dict[str, Any]
+) -> None:
+    """Writes a comparison's results JSON (with the command and the host's load) and
+    prints its medians and ratios."""
+    host = {"cpus": os.cpu_count(), "load": os.getloadavg()}
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"command": command, "host": host, "medians": med, "ratios": ratios, "rounds": runs}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for name, m in med.items():
+        print(f"median {name:14s} {m}")
+    print(ratios)
+    print(f"wrote {out}")
 
 
 def pct(values: list[float], q: float) -> float:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine_proc import Server, run_level
+from bench_engine_proc import Server, run_level, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results" / "bench_hot_path.json"
@@ -159,15 +158,7 @@ def main() -> None:
         med["after"]["output_tok_s"] / med["inprocess"]["output_tok_s"]
     )
     ratios = {k: round(v, 3) for k, v in ratios.items()}
-    host = {"cpus": os.cpu_count(), "load": os.getloadavg()}
-    command = " ".join([Path(sys.executable).name, *sys.argv])
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"command": command, "host": host, "medians": med, "ratios": ratios, "rounds": runs}
-    opts.out.write_text(json.dumps(report, indent=2) + "\n")
-    for name, m in med.items():
-        print(f"median {name:9s} {m}")
-    print(ratios)
-    print(f"wrote {opts.out}")
+    write_report(opts.out, med, ratios, runs)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ else
     # shared servers start once; then the `serial` tests (scaling ratios, latency
     # bounds, real-shape checkpoints of 5-14 GiB), alone on the machine.
     # EC_TEST_WORKERS sets the worker count.
-    python -m pytest -n "${EC_TEST_WORKERS:-2}" --dist loadfile -m "not serial"
-    python -m pytest -m serial
+    # --durations: where the suite's time goes (its budget is 20 minutes, issue 27).
+    python -m pytest -n "${EC_TEST_WORKERS:-2}" --dist loadfile -m "not serial" --durations=40
+    python -m pytest -m serial --durations=15
 fi

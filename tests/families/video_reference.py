@@ -1,12 +1,15 @@
-"""transformers' own Qwen2-VL processor, with its video processor
-(``Qwen2VLVideoProcessor``, which needs torchvision), over the video cases of
-``test_qwen2_vl_video.py``, in a process whose path has the test-only torchvision
-install (see ``tests/preprocess/torchvision_reference.py``).
+"""transformers' own Qwen-VL processors, with their video processors
+(``Qwen2VLVideoProcessor``, ``Qwen3VLVideoProcessor``, which need torchvision),
+over the video cases of ``test_qwen*_video.py``, in a process whose path has the
+test-only torchvision install (see ``tests/preprocess/torchvision_reference.py``).
 
-Reads ``IN.npz`` (``checkpoint``, and per case ``<case>/text``, ``<case>/video``:
-the sampled frames ``[n, H, W, 3]`` uint8, ``<case>/image``: PNG bytes or empty) and
-writes what the processor returns per case to ``OUT.npz``. Images go through the
-PIL image backend, as in the server's environment.
+Reads ``IN.npz`` (``checkpoint``, ``family`` (``qwen2_vl`` when absent,
+``qwen2_5_vl``, ``qwen3_vl``), and per case ``<case>/text``, ``<case>/video``: the
+sampled frames ``[n, H, W, 3]`` uint8, ``<case>/image``: PNG bytes or empty, and for
+the families that read it ``<case>/metadata``: ``[fps, total frames, *sampled
+indices]`` of the video) and writes what the processor returns per case to
+``OUT.npz``. Images go through the PIL image backend, as in the server's
+environment.
 
 Run: ``PYTHONPATH=<venv>/extras/torchvision python video_reference.py IN.npz OUT.npz``.
 """
@@ -20,17 +23,32 @@ from pathlib import Path
 import numpy as np
 import torchvision
 from PIL import Image
-from transformers import PreTrainedTokenizerFast, Qwen2VLProcessor
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLProcessor,
+    Qwen2VLProcessor,
+    Qwen3VLProcessor,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+FAMILIES = {
+    "qwen2_vl": (Qwen2VLProcessor, Qwen2VLVideoProcessor),
+    "qwen2_5_vl": (Qwen2_5_VLProcessor, Qwen2VLVideoProcessor),
+    "qwen3_vl": (Qwen3VLProcessor, Qwen3VLVideoProcessor),
+}
 
 
 def main(in_path: str, out_path: str) -> None:
     cases = np.load(in_path)
     directory = Path(str(cases["checkpoint"]))
-    processor = Qwen2VLProcessor(
+    family = str(cases["family"]) if "family" in cases.files else "qwen2_vl"
+    processor_class, video_processor_class = FAMILIES[family]
+    processor = processor_class(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(directory),
-        video_processor=Qwen2VLVideoProcessor.from_pretrained(directory),
+        video_processor=video_processor_class.from_pretrained(directory),
         tokenizer=PreTrainedTokenizerFast.from_pretrained(directory),
         chat_template=(directory / "chat_template.jinja").read_text(encoding="utf-8"),
     )
@@ -39,6 +57,13 @@ def main(in_path: str, out_path: str) -> None:
     for name in names:
         png = cases[f"{name}/image"].tobytes()
         images = [Image.open(io.BytesIO(png)).convert("RGB")] if png else None
+        extra = {}
+        if f"{name}/metadata" in cases.files:
+            fps, total, *indices = cases[f"{name}/metadata"].tolist()
+            meta = VideoMetadata(
+                total_num_frames=int(total), fps=fps, frames_indices=[int(i) for i in indices]
+            )
+            extra["video_metadata"] = [meta]
         result = processor(
             text=[str(cases[f"{name}/text"])],
             images=images,
@@ -46,6 +71,7 @@ def main(in_path: str, out_path: str) -> None:
             do_sample_frames=False,
             cap_pixels_per_frame=False,
             return_tensors="np",
+            **extra,
         )
         for key, value in result.items():
             out[f"{name}/{key}"] = np.asarray(value)

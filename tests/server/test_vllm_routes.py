@@ -9,6 +9,7 @@ template show (image placeholders, the vocabulary bound, unseeded sampling).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import openai
 import orjson
 import pytest
 
+from ..helpers.video import make_clip
 from .conftest import API_KEY, MOCK_MODEL, MODEL_NAME, ServerProcess, png_data_url
 
 pytestmark = pytest.mark.slow
@@ -283,6 +285,45 @@ def test_model_tokenize_image_message(
     r = model_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
     assert r.usage is not None and tok["count"] == r.usage.prompt_tokens
     assert tok["count"] > 20  # the image's placeholder tokens are counted
+
+
+def test_model_tokenize_samples_videos_as_chat_does(
+    model_server: ServerProcess, model_client: openai.OpenAI
+) -> None:
+    clip = base64.b64encode(make_clip(frames=8)).decode()
+    messages: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{clip}"}},
+                {"type": "text", "text": "what happens?"},
+            ],
+        }
+    ]
+    counts = {}
+    for frames in (2, 8):
+        kwargs = {"video": {"num_frames": frames}}
+        tok = httpx.post(
+            model_server.url + "/tokenize",
+            json={"messages": messages, "media_io_kwargs": kwargs},
+            timeout=60,
+        ).json()
+        r = model_client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=1,
+            extra_body={"media_io_kwargs": kwargs},
+        )
+        assert r.usage is not None and tok["count"] == r.usage.prompt_tokens
+        counts[frames] = tok["count"]
+    # 84x56 frames (a 6x4 patch grid, merged 2x2) give 6 tokens per temporal patch of
+    # two frames: 1 patch for 2 frames, 4 for 8.
+    assert counts[8] - counts[2] == 3 * 6
+    bad = httpx.post(
+        model_server.url + "/tokenize",
+        json={"messages": messages, "media_io_kwargs": {"video": {"backend": "x"}}},
+    )
+    assert error_param(bad) == "media_io_kwargs.video.backend"
 
 
 @pytest.fixture(scope="module")

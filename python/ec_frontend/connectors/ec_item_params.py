@@ -10,7 +10,9 @@ features (in prompt order, images and videos together; a repeated item lists
 each position) and ``metadata`` what the consumer needs to size the item's
 placeholder without the media: for Qwen2-VL images, the ``image_grid_thw`` the
 processor produced; for its videos (``"modality": "video"``), the
-``video_grid_thw``. vLLM's EPD proxy turns them into metadata-only
+``video_grid_thw`` (empty for a video whose placement needs more than its grid,
+Qwen2.5-VL's frame times: both proxies then send the video itself, and the
+consumer still loads its encoder output). vLLM's EPD proxy turns them into metadata-only
 ``image_embeds`` / ``video_embeds`` references for the prefill/decode instance.
 ec-frontend's producers add these fields next to their own transfer fields
 (before signing, so a signature covers them).
@@ -42,7 +44,9 @@ def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, JSONObject]:
             items[feature.mm_hash] = {
                 "modality": modality,
                 "item_indices": known,
-                "metadata": {f"{modality}_grid_thw": list(feature.image_grid_thw)},
+                "metadata": {f"{modality}_grid_thw": list(feature.image_grid_thw)}
+                if getattr(feature, "sized_by_grid", True)
+                else {},
             }
         else:
             known.append(index)

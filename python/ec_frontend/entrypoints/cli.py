@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ec_frontend import logs
 from ec_frontend.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
@@ -38,6 +39,9 @@ from ec_frontend.entrypoints.proxy.registration import DEFAULT_INTERVAL_S, ROLES
 from ec_frontend.media.options import add_media_args, media_config
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 from ec_frontend.model.video import VideoLimits
+
+if TYPE_CHECKING:
+    from ec_frontend.entrypoints.launcher import ServeOptions
 
 #: Subcommands: name -> (add its arguments, run it). Other modules may register more.
 COMMANDS: dict[
@@ -498,7 +502,9 @@ def preflight_problem(args: argparse.Namespace) -> str | None:
     )
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def serve_options(args: argparse.Namespace) -> ServeOptions | str:
+    """The :class:`ServeOptions` of ``serve``'s parsed ``args``, or the problem with them
+    (a line for stderr)."""
     keys = args.api_key or ()
     api_key = (
         (keys[0] if keys else None)
@@ -524,12 +530,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if problem is not None:
         if not problem.startswith("ec-frontend"):
             problem = f"ec-frontend serve: {problem}"
-        print(problem, file=sys.stderr)
-        return 2
-    first_line("serve")
-    from ec_frontend.entrypoints.launcher import ServeOptions, serve
+        return problem
+    from ec_frontend.entrypoints.launcher import ServeOptions
 
-    options = ServeOptions(
+    return ServeOptions(
         model=args.model_tag or args.model,
         revision=args.revision,
         seed=args.seed,
@@ -582,6 +586,16 @@ def run_serve(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
         media=media,
     )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    options = serve_options(args)
+    if isinstance(options, str):
+        print(options, file=sys.stderr)
+        return 2
+    first_line("serve")
+    from ec_frontend.entrypoints.launcher import serve
+
     registrar = None
     if args.register_with:
         try:

@@ -222,20 +222,27 @@ class DrainingServer(uvicorn.Server):
 EngineFactory = Callable[[ServeOptions], tuple["EngineClient[Any]", str, int]]
 
 
-def serve(
+@dataclass
+class BuiltApp:
+    """What :func:`build_server_app` gives: the ASGI app (wrapped), its core, the
+    engine client and the served names."""
+
+    app: Any
+    core: App
+    engine: EngineClient[Any]
+    names: tuple[str, ...]
+
+
+def build_server_app(
     opts: ServeOptions,
     *,
     engine_factory: EngineFactory | None = None,
-    sockets: list[socket.socket] | None = None,
     wrap_app: Callable[[Any], Any] | None = None,
-) -> int:
-    """Run one API server until drained; the process exit code.
-
-    With ``api_server_count`` > 1 the command line runs a group of API server
-    processes instead (``entrypoints/api_servers.py``); each of them calls this
-    with its engine factory, the listening socket it inherited and a wrapper
-    around the app.
-    """
+) -> BuiltApp:
+    """The engine and the ASGI app for ``opts``, without an HTTP server; raises
+    :class:`StartupError` (or ``ValueError``, ``OSError``...) when the engine cannot
+    start. :func:`serve` runs it under uvicorn; ``benches/bench_http_servers.py``
+    under another ASGI server."""
     spawned = None
     if engine_factory is None and opts.engine_mode == "multiprocess":
         # The engine's interpreter imports torch and the model code while this one
@@ -246,9 +253,6 @@ def serve(
             engine, model_id, max_len = build_engine(opts, spawned)
         else:
             engine, model_id, max_len = engine_factory(opts)
-    except (StartupError, ValueError, OSError, RuntimeError, ImportError) as exc:
-        log.error("cannot start: %s", exc)
-        return 2
     finally:
         if spawned is not None and not spawned.was_sent:
             spawned.kill()
@@ -260,7 +264,6 @@ def serve(
     seqs = engine_max_num_seqs(engine, opts)
     engine_requests = engine_request_limit(opts, seqs)
     limits = replace(opts.limits, max_engine_requests=engine_requests)
-    http = replace(opts.http, max_connections=connection_cap(opts.http.max_connections))
     config = ServerConfig(
         model_names=names,
         max_model_len=max_len,
@@ -289,9 +292,33 @@ def serve(
     app = opts.frontend.wrap(app)
     if wrap_app is not None:
         app = wrap_app(app)
+    return BuiltApp(app, core, engine, names)
+
+
+def serve(
+    opts: ServeOptions,
+    *,
+    engine_factory: EngineFactory | None = None,
+    sockets: list[socket.socket] | None = None,
+    wrap_app: Callable[[Any], Any] | None = None,
+) -> int:
+    """Run one API server until drained; the process exit code.
+
+    With ``api_server_count`` > 1 the command line runs a group of API server
+    processes instead (``entrypoints/api_servers.py``); each of them calls this
+    with its engine factory, the listening socket it inherited and a wrapper
+    around the app.
+    """
+    try:
+        built = build_server_app(opts, engine_factory=engine_factory, wrap_app=wrap_app)
+    except (StartupError, ValueError, OSError, RuntimeError, ImportError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    engine, core = built.engine, built.core
+    http = replace(opts.http, max_connections=connection_cap(opts.http.max_connections))
     uv_level = opts.frontend.uvicorn_log_level or opts.log_level
     uv_config = uvicorn.Config(
-        app,
+        built.app,
         host=opts.host,
         port=opts.port,
         log_level=uv_level,
@@ -310,7 +337,7 @@ def serve(
     watch = getattr(engine, "add_death_callback", None)
     if watch is not None:
         watch(lambda reason: _engine_died(server, died, reason))
-    for line in startup_summary(engine, opts, names):
+    for line in startup_summary(engine, opts, built.names):
         log.info("%s", line)
     try:
         server.run(sockets=sockets)

@@ -19,6 +19,7 @@ Every rejected input raises :class:`InputError`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import re
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
@@ -89,6 +91,8 @@ class MultiModalFeature:
     deferred: DeferredImage | None = None
     #: ``"image"`` or ``"video"`` (then ``image_grid_thw`` is the video's grid).
     modality: str = "image"
+    #: Whether the grid alone sizes and places the item (a ``*_embeds`` reference).
+    sized_by_grid: bool = True
 
 
 @dataclass(slots=True)
@@ -303,16 +307,10 @@ class InputProcessor:
         images = iter(self._images(media, order, size))
         out_ids: list[int] = []
         features: list[MultiModalFeature] = []
+        time_intervals: dict[int, float] = {}
         for token in ids:
             if token == video_token:
-                video_hash, video_grid, video_pixels = next(videos)
-                length = video_grid[0] * video_grid[1] * video_grid[2] // self.spatial_merge_size**2
-                features.append(
-                    MultiModalFeature(
-                        video_hash, len(out_ids), length, video_grid, video_pixels, modality="video"
-                    )
-                )
-                out_ids.extend([token] * length)
+                self._place_video(next(videos), token, out_ids, features, time_intervals)
                 continue
             if token != self.image_token_id:
                 out_ids.append(token)
@@ -323,7 +321,7 @@ class InputProcessor:
                 MultiModalFeature(mm_hash, len(out_ids), length, grid, pixels, deferred)
             )
             out_ids.extend([self.image_token_id] * length)
-        return self._finish(out_ids, features, text)
+        return self._finish(out_ids, features, text, time_intervals)
 
     def process_prompt(self, prompt: str | Sequence[int]) -> ProcessedInputs:
         """A text-only completion prompt (a string or token ids)."""
@@ -365,8 +363,13 @@ class InputProcessor:
         return self._finish(ids, mm, None)
 
     def _finish(
-        self, ids: list[int], features: list[MultiModalFeature], text: str | None
+        self,
+        ids: list[int],
+        features: list[MultiModalFeature],
+        text: str | None,
+        time_intervals: Mapping[int, float] | None = None,
     ) -> ProcessedInputs:
+        """``time_intervals``: the temporal M-RoPE scale of features by offset (default 1)."""
         if not ids:
             raise InputError("the prompt is empty", code="empty_prompt")
         if len(ids) > self.max_model_len:
@@ -376,8 +379,9 @@ class InputProcessor:
                 code="too_many_tokens",
             )
         placements = [(f.offset, f.length, f.image_grid_thw) for f in features]
+        intervals = [(time_intervals or {}).get(f.offset, 1.0) for f in features]
         positions, delta = prompt_positions(
-            self.positions, len(ids), placements, self.spatial_merge_size
+            self.positions, len(ids), placements, self.spatial_merge_size, intervals
         )
         return ProcessedInputs(ids, features, positions, delta, text)
 
@@ -463,14 +467,15 @@ class InputProcessor:
 
     def _video(
         self, item: MediaLike, index: int, sampling: VideoSampling, size: dict[str, int] | None
-    ) -> tuple[str, tuple[int, int, int], torch.Tensor | None]:
-        """``(mm_hash, grid, pixel_values)`` of a video item: decoded and sampled
-        (bounded by :attr:`video_limits`), then the family's video rule; a
-        ``video_embeds`` reference is sized from its grid and has no pixel values."""
+    ) -> _Video:
+        """A video item decoded and sampled (bounded by :attr:`video_limits`), then
+        through the family's video rule; a ``video_embeds`` reference is sized from its
+        grid and has no pixel values."""
         param = getattr(item, "param", None)
         reference = getattr(item, "video_grid_thw", None)
         if reference is not None:
-            return item.mm_hash, self._reference_video_grid(reference, index, size), None
+            grid = self._reference_video_grid(reference, index, size)
+            return _Video(item.mm_hash, grid, None, [], 0, 0.0)
         try:
             decoded = decode_video(
                 item.data, index=index, sampling=sampling, limits=self.video_limits
@@ -479,7 +484,68 @@ class InputProcessor:
         except InputError as exc:
             exc.param = param
             raise
-        return item.mm_hash, grid, pixels
+        return _Video(
+            item.mm_hash, grid, pixels, decoded.indices, decoded.total_frames, decoded.fps
+        )
+
+    def _place_video(
+        self,
+        video: _Video,
+        token: int,
+        out_ids: list[int],
+        features: list[MultiModalFeature],
+        time_intervals: dict[int, float],
+    ) -> None:
+        """Append a video's placeholder tokens and features for the family's rule: one
+        item of ``t*h*w/merge**2`` tokens; with Qwen2.5-VL's absolute time, its temporal
+        M-RoPE scale (``tokens_per_second * second_per_grid_t`` in float32); with
+        Qwen3-VL's timestamps, per temporal patch the text ``<{s:.1f} seconds>``, then
+        ``<|vision_start|>``, the patch's tokens and ``<|vision_end|>``, each patch
+        its own encoder item (:func:`video_patch_hash`)."""
+        rule, merge = self.video_rule, self.spatial_merge_size
+        t, h, w = video.grid
+        if not rule.TIMESTAMPS:
+            if rule.ABSOLUTE_TIME:
+                seconds = rule.second_per_grid_t(len(video.indices), video.total, video.fps)
+                scale = np.float32(self.positions.time_interval) * np.float32(seconds)
+                time_intervals[len(out_ids)] = float(scale)
+            length = t * h * w // merge**2
+            feature = MultiModalFeature(
+                video.mm_hash, len(out_ids), length, video.grid, video.pixels, modality="video"
+            )
+            # A reference cannot carry Qwen2.5-VL's frame times: no grid is published.
+            feature.sized_by_grid = not rule.ABSOLUTE_TIME
+            features.append(feature)
+            out_ids.extend([token] * length)
+            return
+        start, end = self._vision_markers()
+        rows = h * w
+        for k, seconds in enumerate(rule.patch_times(video.indices, video.fps)):
+            out_ids.extend(self._encode(f"<{seconds:.1f} seconds>"))
+            out_ids.append(start)
+            pixels = None if video.pixels is None else video.pixels[k * rows : (k + 1) * rows]
+            mm_hash = video_patch_hash(video.mm_hash, k)
+            features.append(
+                MultiModalFeature(mm_hash, len(out_ids), rows // merge**2, (1, h, w), pixels)
+            )
+            out_ids.extend([token] * (rows // merge**2))
+            out_ids.append(end)
+
+    def _vision_markers(self) -> tuple[int, int]:
+        """Token ids of ``<|vision_start|>`` and ``<|vision_end|>`` (the tokenizer's own
+        names when it has them, as ``Qwen3VLProcessor`` reads them)."""
+        tok = self.tokenizer
+        names = (
+            getattr(tok, "vision_start_token", None) or "<|vision_start|>",
+            getattr(tok, "vision_end_token", None) or "<|vision_end|>",
+        )
+        ids = [tok.convert_tokens_to_ids(name) for name in names]
+        if any(not isinstance(i, int) or i == tok.unk_token_id for i in ids):
+            raise InputError(
+                f"this model's tokenizer has no {names} tokens for video timestamps",
+                code="unsupported_video",
+            )
+        return ids[0], ids[1]
 
     def _image(
         self, item: MediaLike, index: int, size: dict[str, int] | None
@@ -560,6 +626,26 @@ def _fitting_reference(
             code=f"invalid_{kind}_embeds",
         )
     return grid
+
+
+@dataclass(frozen=True, slots=True)
+class _Video:
+    """A preprocessed video and the sampling it came from (indices into the video's
+    ``total`` frames at ``fps``)."""
+
+    mm_hash: str
+    grid: tuple[int, int, int]
+    pixels: torch.Tensor | None
+    indices: list[int]
+    total: int
+    fps: float
+
+
+def video_patch_hash(mm_hash: str, patch: int) -> str:
+    """The ``mm_hash`` of temporal patch ``patch`` of a video whose patches are separate
+    encoder items (Qwen3-VL): lower-case hex, as every ``mm_hash``, a function of the
+    video's key (which covers its sampling) and the patch index."""
+    return hashlib.sha256(f"qwen3_vl/video-patch/{patch}/{mm_hash}".encode()).hexdigest()
 
 
 def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -4,7 +4,8 @@ Qwen2 decoder on the paged KV cache (:class:`~ec_frontend.model.qwen2_vl.Qwen2VL
 Its M-RoPE is Qwen2-VL's, except that the temporal index of a video's frames is
 scaled by ``vision_config.tokens_per_second`` (the ``time_interval`` of its
 :class:`~ec_frontend.model.registry.PositionSpec`); an image has one frame, so
-image positions are Qwen2-VL's.
+image positions are Qwen2-VL's. A video's interval is ``tokens_per_second``
+times its ``second_per_grid_t`` (:class:`~ec_frontend.model.video_processor.Qwen25VideoRule`).
 """
 
 from __future__ import annotations
@@ -34,4 +35,5 @@ FAMILY = ModelFamily(
     weight_prefixes=QWEN_VL_WEIGHT_PREFIXES,
     text_config=qwen2_text_config,
     positions=positions,
+    video_rule="ec_frontend.model.video_processor:Qwen25VideoRule",
 )

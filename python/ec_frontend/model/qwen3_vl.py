@@ -5,7 +5,10 @@ queries and keys are RMS-normalised per head (``q_norm`` / ``k_norm``) before
 the rotary embedding; ``head_dim`` is its own config value; and M-RoPE is
 interleaved (frequency ``j`` rotates with the height row when ``j % 3 == 1``,
 with the width row when ``j % 3 == 2``, inside the sections' bounds; with the
-temporal row otherwise). Image positions are Qwen2-VL's.
+temporal row otherwise). Image positions are Qwen2-VL's. A video is split at
+its temporal patches (``Qwen3VLProcessor`` writes each patch's time between
+them): each patch is an item of grid ``(1, h, w)``, positioned as an image
+(:class:`~ec_frontend.model.video_processor.Qwen3VideoRule`).
 
 DeepStack: the tower also merges the hidden states of a few of its blocks
 (``vision_config.deepstack_visual_indexes``) into extra per-token features, and
@@ -223,4 +226,5 @@ FAMILY = ModelFamily(
     positions=positions,
     model_class="ec_frontend.model.qwen3_vl:Qwen3VLModel",
     language_model="ec_frontend.model.qwen3_vl:Qwen3TextModel",
+    video_rule="ec_frontend.model.video_processor:Qwen3VideoRule",
 )

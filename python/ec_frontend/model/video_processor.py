@@ -20,6 +20,17 @@ transformers' video defaults for the pixel range):
   rows are in transformers' order (merge windows contiguous).
 
 The model then reads a video exactly as an image with ``t`` temporal patches.
+
+Two subclasses carry what later Qwen families add (``docs/video.md``):
+
+* :class:`Qwen25VideoRule` (Qwen2.5-VL): the same pixels, and each video's
+  ``second_per_grid_ts`` (``temporal_patch_size`` over the rate of the sampled
+  frames), which scales the temporal M-RoPE index by absolute time;
+* :class:`Qwen3VideoRule` (Qwen3-VL, ``Qwen3VLVideoProcessor``): 16-pixel
+  patches, a target size whose pixel budget covers all the frames of the video
+  (frames smaller than one merge window are first scaled up, and a video needs
+  at least ``temporal_patch_size`` frames), and the time of each temporal patch
+  that the prompt writes before the patch's tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -69,6 +80,15 @@ def smart_resize(
 class QwenVideoRule:
     """The Qwen2-VL video rule of one checkpoint (module docstring)."""
 
+    #: The pixel range and the patch size of the family's video processor class,
+    #: used where the checkpoint's configs give none.
+    DEFAULT_PIXELS: ClassVar[tuple[int, int]] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    DEFAULT_PATCH_SIZE: ClassVar[int] = 14
+    #: Whether the temporal M-RoPE index is scaled by ``second_per_grid_t``.
+    ABSOLUTE_TIME: ClassVar[bool] = False
+    #: Whether the prompt writes each temporal patch's time before its tokens.
+    TIMESTAMPS: ClassVar[bool] = False
+
     min_pixels: int
     max_pixels: int
     patch_size: int
@@ -95,10 +115,11 @@ class QwenVideoRule:
         image = getattr(image_processor, "__dict__", {})
         mean = pick("image_mean", image.get("image_mean", (0.48145466, 0.4578275, 0.40821073)))
         std = pick("image_std", image.get("image_std", (0.26862954, 0.26130258, 0.27577711)))
+        low, high = cls.DEFAULT_PIXELS
         return cls(
-            min_pixels=int(pick("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))),
-            max_pixels=int(pick("max_pixels", size.get("longest_edge", DEFAULT_MAX_PIXELS))),
-            patch_size=int(pick("patch_size", image.get("patch_size", 14))),
+            min_pixels=int(pick("min_pixels", size.get("shortest_edge", low))),
+            max_pixels=int(pick("max_pixels", size.get("longest_edge", high))),
+            patch_size=int(pick("patch_size", image.get("patch_size", cls.DEFAULT_PATCH_SIZE))),
             temporal_patch_size=int(
                 pick("temporal_patch_size", image.get("temporal_patch_size", 2))
             ),
@@ -129,6 +150,11 @@ class QwenVideoRule:
         temporal patches, sides that are multiples of the merge size, and at most the
         rule's ``max_pixels`` (or ``size``'s) per frame."""
         t, h, w = grid
+        if self.ABSOLUTE_TIME or self.TIMESTAMPS:
+            return (
+                "this model's video positions need the video's frame times, which a "
+                "video_embeds reference does not carry"
+            )
         high = self.max_pixels if size is None else int(size.get("longest_edge", self.max_pixels))
         most = -(-max_frames // self.temporal_patch_size)
         if t > most:
@@ -143,14 +169,20 @@ class QwenVideoRule:
             return f"{h * self.patch_size}x{w * self.patch_size} pixels is over max_pixels {high}"
         return None
 
+    def video_size(
+        self, num_frames: int, height: int, width: int, size: Mapping[str, int] | None = None
+    ) -> tuple[int, int]:
+        """The size every frame of a video of ``num_frames`` frames is resized to."""
+        return self.target_size(height, width, size)
+
     def preprocess(
         self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
     ) -> tuple[tuple[int, int, int], torch.Tensor]:
         """``(grid_thw, pixel_values [t*h*w, 3*temporal*patch*patch] float32)`` of
         ``frames`` (``[n, H, W, 3]`` uint8 RGB)."""
-        _, height, width, _ = frames.shape
+        count, height, width, _ = frames.shape
         try:
-            th, tw = self.target_size(height, width, size)
+            th, tw = self.video_size(count, height, width, size)
         except ValueError as exc:
             raise InputError(
                 f"video {index} cannot be processed: {exc}", code="invalid_video"
@@ -181,3 +213,94 @@ class QwenVideoRule:
         patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
         flat = patches.reshape(gt * gh * gw, channels * temporal * patch * patch)
         return (gt, gh, gw), flat.contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen25VideoRule(QwenVideoRule):
+    """Qwen2.5-VL: Qwen2-VL's pixels, and the seconds each temporal patch spans."""
+
+    ABSOLUTE_TIME: ClassVar[bool] = True
+
+    def second_per_grid_t(self, sampled: int, total: int, fps: float) -> float:
+        """``temporal_patch_size / sampled_fps``, as ``Qwen2_5_VLProcessor`` computes it:
+        the rate of the sampled frames is ``sampled / total * fps`` (``fps`` the
+        video's own rate), as transformers' ``VideoMetadata.sampled_fps`` has it."""
+        return self.temporal_patch_size / (sampled / total * fps)
+
+
+def qwen3_smart_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[int, int]:
+    """Qwen3-VL's video target size: frames smaller than ``factor`` are scaled up to
+    it first, then the sides are rounded to multiples of ``factor`` with the pixels of
+    all ``num_frames`` frames (rounded to whole temporal patches) within
+    ``[min_pixels, max_pixels]``."""
+    if num_frames < temporal_factor:
+        raise ValueError(
+            f"a video needs at least {temporal_factor} frames (one temporal patch), got "
+            f"{num_frames}; ask for more with media_io_kwargs.video.num_frames"
+        )
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(f"the aspect ratio must be below {MAX_ASPECT_RATIO}, got {ratio:g}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3VideoRule(QwenVideoRule):
+    """Qwen3-VL (``Qwen3VLVideoProcessor`` without its per-frame pixel cap, transformers'
+    default): the pixel range bounds a whole video, and each temporal patch is
+    preceded in the prompt by its time."""
+
+    DEFAULT_PIXELS: ClassVar[tuple[int, int]] = (128 * 32 * 32, 32 * 32 * 768)
+    DEFAULT_PATCH_SIZE: ClassVar[int] = 16
+    TIMESTAMPS: ClassVar[bool] = True
+
+    def video_size(
+        self, num_frames: int, height: int, width: int, size: Mapping[str, int] | None = None
+    ) -> tuple[int, int]:
+        low, high = self.min_pixels, self.max_pixels
+        if size is not None:
+            low = int(size.get("shortest_edge", low))
+            high = int(size.get("longest_edge", high))
+        return qwen3_smart_resize(
+            num_frames,
+            height,
+            width,
+            temporal_factor=self.temporal_patch_size,
+            factor=self.patch_size * self.merge_size,
+            min_pixels=low,
+            max_pixels=high,
+        )
+
+    def patch_times(self, indices: list[int], fps: float) -> list[float]:
+        """Seconds of each temporal patch, as ``Qwen3VLProcessor`` writes them: the
+        sampled indices padded like the frames (the last repeated), each over the
+        video's rate, the mean of the first and last frame of each patch."""
+        temporal = self.temporal_patch_size
+        padded = list(indices) + [indices[-1]] * (-len(indices) % temporal)
+        seconds = [i / fps for i in padded]
+        return [
+            (seconds[k] + seconds[k + temporal - 1]) / 2 for k in range(0, len(seconds), temporal)
+        ]

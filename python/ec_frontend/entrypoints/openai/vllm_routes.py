@@ -2,9 +2,9 @@
 
 * ``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
   ``{"count", "max_model_len", "tokens", "token_strs"}``. A chat request is
-  rendered exactly as ``/v1/chat/completions`` renders it (template, image
-  placeholders, ``tools`` as vLLM renders them), so ``count`` is what the model
-  would see.
+  rendered exactly as ``/v1/chat/completions`` renders it (template, image and
+  video placeholders, videos sampled by ``media_io_kwargs``, ``tools`` as vLLM
+  renders them), so ``count`` is what the model would see.
 * ``POST /detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``; at most
   ``--max-prompt-chars`` ids (as many as ``/tokenize`` can give), else 400
   ``too_many_tokens`` (a body too large to hold that many is refused unparsed).
@@ -62,7 +62,8 @@ MAX_ABORT_IDS = 1024
 _SLACK_VALUES = 65536
 #: Chat fields of ``/tokenize`` that go to the chat parser as they are.
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "chat_template_kwargs",
-                "mm_processor_kwargs", "continue_final_message", "tools")  # fmt: skip
+                "mm_processor_kwargs", "media_io_kwargs", "continue_final_message",
+                "tools")  # fmt: skip
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIError:
@@ -194,7 +195,6 @@ class VLLMRoutes:
                 "add_special_tokens",
             )
         _refuse_if_set(data, "chat_template", "the model's own chat template is used")
-        _refuse_if_set(data, "media_io_kwargs", "media loading takes no options")
         app = self.app
         self._check_model(data.get("model"))
         chat = {k: data[k] for k in _CHAT_FIELDS if k in data}
@@ -221,6 +221,7 @@ class VLLMRoutes:
                 add_generation_prompt=parsed.add_generation_prompt,
                 chat_template_kwargs=parsed.chat_template_kwargs,
                 mm_processor_kwargs=parsed.mm_processor_kwargs,
+                media_io_kwargs=parsed.media_io_kwargs,
                 **tools,
                 **continuation(parsed),
             )
