@@ -16,10 +16,13 @@ temporal patches: the temporal index sets the decode delta), 3 frames 1 fps
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from ec_frontend.connectors.ec_item_params import item_fields
+from ec_frontend.model.errors import InputError
 from ec_frontend.model.processor import InputProcessor
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -92,3 +95,19 @@ def test_served_greedy_matches_transformers_generate(
     server: Proc, hf_model: Any, reference: Any, clip: bytes, png: bytes, name: str
 ) -> None:
     check_served(server, hf_model, reference, CASES[name], name, clip, png)
+
+
+def test_no_video_grid_is_published_and_a_reference_is_refused(
+    ours: InputProcessor, clip: bytes, png: bytes
+) -> None:
+    """Qwen2.5-VL places a video by its frame times, which a ``video_embeds``
+    reference does not carry: an encoder's entry has no metadata (both EPD proxies
+    then send the video itself) and a reference is a 400 ``invalid_video_embeds``."""
+    video = process(ours, CASES["video-8"], clip, png).mm_features[-1]
+    entry = item_fields([video])[video.mm_hash]
+    assert (entry["modality"], entry["metadata"]) == ("video", {})
+    ref = SimpleNamespace(mm_hash=video.mm_hash, video_grid_thw=video.image_grid_thw, data=None)
+    content = [{"type": "video", "media_index": 0}, {"type": "text", "text": "x"}]
+    with pytest.raises(InputError) as exc:
+        ours.process_chat([{"role": "user", "content": content}], [ref])
+    assert exc.value.code == "invalid_video_embeds" and "frame times" in str(exc.value)

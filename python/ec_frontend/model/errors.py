@@ -10,7 +10,8 @@ class InputError(ValueError):
     ``image_too_large``, ``too_many_tokens``, ``empty_prompt``,
     ``invalid_token_id``, ``placeholder_mismatch``, ``invalid_features``,
     ``invalid_media_index``, ``invalid_template``, ``invalid_processor_kwargs``,
-    ``invalid_video``, ``video_too_large``, ``video_too_long``, ``unsupported_video``.
+    ``invalid_video``, ``video_too_large``, ``video_too_long``, ``unsupported_video``,
+    ``invalid_image_embeds``, ``invalid_video_embeds``.
     ``param`` names the request part at fault when one is known (a media item's
     ``param``, e.g. ``messages[0].content[1].video_url``).
     """
