@@ -15,9 +15,10 @@ sampled (vLLM's default ``num_frames``), spread by ``linspace`` over the 300.
   RGB), then ``Qwen2VLVideoProcessor`` (torchvision: the class requires it; the
   test-only install in ``<venv>/extras/torchvision`` is put on ``sys.path``) on the
   same 32 frames with ``do_sample_frames=False`` (``load_video`` is given vLLM's
-  ``linspace`` indices as its ``sample_indices_fn``, so both decode the same frames). This is transformers' fastest
-  path in this environment: ``decord`` / ``torchcodec`` / ``opencv`` are not
-  installed, and its processor given a path calls the same ``load_video``.
+  ``linspace`` indices as its ``sample_indices_fn``, so both decode the same
+  frames). This is transformers' fastest path in this environment: ``decord`` /
+  ``torchcodec`` / ``opencv`` are not installed, and its processor given a path
+  calls the same ``load_video``.
 
 Both sides use the same pixel range (transformers' class defaults: min 100,352,
 max 602,112 pixels): the frames become 560x1008, grid (16, 40, 72), 46,080 rows.
