@@ -16,8 +16,8 @@
 
 use super::resize::{avx2_dispatch, resize, Filter};
 use super::{
-    decode_rgb, each_image, fused_normalization_lut, normalization_lut, reserve, ImageFormat, PreprocessError, Result,
-    RgbImage,
+    decode_rgb, each_image, fused_normalization_lut, normalization_lut, reserve, ImageFormat,
+    PreprocessError, Result, RgbImage,
 };
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
@@ -185,56 +185,35 @@ impl QwenVlConfig {
     }
 }
 
-avx2_dispatch! {
-    /// `pixel_values` rows of a `w` x `h` RGB image (both multiples of `p * m`): merge
-    /// windows in raster order, their `m * m` patches in raster order; per patch, per
-    /// channel, the `p * p` normalized values `t` times. Written in output order, so the
-    /// buffer is filled once, never zeroed first.
-    fn patchify(
-        resized: &[u8],
-        w: usize,
-        h: usize,
-        p: usize,
-        m: usize,
-        t: usize,
-        lut: &[[f32; 256]; 3],
-    ) -> Result<Vec<f32>> {
-        let (gh, gw) = (h / p, w / p);
-        let frame = p * p;
-        let total = gh * gw * 3 * t * frame;
-        let mut out = reserve::<f32>(total)?;
-        let spare = &mut out.spare_capacity_mut()[..total];
-        let mut at = 0usize;
-        for bh in 0..gh / m {
-            for bw in 0..gw / m {
-                for mh in 0..m {
-                    for mw in 0..m {
-                        let y0 = (bh * m + mh) * p;
-                        let x0 = (bw * m + mw) * p;
-                        for (c, table) in lut.iter().enumerate() {
-                            let (first, rest) = spare[at..at + t * frame].split_at_mut(frame);
-                            for (ph, line) in first.chunks_exact_mut(p).enumerate() {
-                                let start = ((y0 + ph) * w + x0) * 3 + c;
-                                let src = &resized[start..start + (p - 1) * 3 + 1];
-                                for (pw, o) in line.iter_mut().enumerate() {
-                                    o.write(table[usize::from(src[pw * 3])]);
-                                }
-                            }
-                            for copy in rest.chunks_exact_mut(frame) {
-                                copy.copy_from_slice(first);
-                            }
-                            at += t * frame;
-                        }
-                    }
-                }
-            }
-        }
-        debug_assert_eq!(at, total);
-        // SAFETY: the loops above wrote every one of the `total` values, in order: `gh / m
-        // * gw / m * m * m` patches, each `3 * t * frame` values.
-        unsafe { out.set_len(total) };
-        Ok(out)
-    }
+/// `pixel_values` rows of a `w` x `h` RGB image (both multiples of `p * m`): merge
+/// windows in raster order, their `m * m` patches in raster order; per patch, per
+/// channel, the `p * p` normalized values `t` times (one temporal patch whose slots
+/// all hold the image). Written in output order, so the buffer is filled once,
+/// never zeroed first.
+fn patchify(
+    resized: &[u8],
+    w: usize,
+    h: usize,
+    p: usize,
+    m: usize,
+    t: usize,
+    lut: &[[f32; 256]; 3],
+) -> Result<Vec<f32>> {
+    let total = (h / p) * (w / p) * 3 * t * p * p;
+    let mut out = reserve::<f32>(total)?;
+    temporal_patch(
+        &mut out.spare_capacity_mut()[..total],
+        &vec![resized; t],
+        w,
+        h,
+        p,
+        m,
+        lut,
+    );
+    // SAFETY: `temporal_patch` wrote all `total` values (`gh / m * gw / m * m * m`
+    // patches of `3 * t * p * p` values).
+    unsafe { out.set_len(total) };
+    Ok(out)
 }
 
 /// `pixel_values` rows of `frames` (each a `w` x `h` RGB frame, both multiples of
@@ -349,7 +328,13 @@ impl QwenVlConfig {
                 ),
             });
         }
-        let (rh, rw) = smart_resize(height, width, self.factor(), self.min_pixels, self.max_pixels)?;
+        let (rh, rw) = smart_resize(
+            height,
+            width,
+            self.factor(),
+            self.min_pixels,
+            self.max_pixels,
+        )?;
         let (w, h) = (rw as usize, rh as usize);
         let sources: Vec<&[u8]> = frames.chunks_exact(frame_bytes).collect();
         let resized: Vec<Vec<u8>> = if (w, h) == (width as usize, height as usize) {
