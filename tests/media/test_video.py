@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,6 @@ from ec_frontend.model.video import (
     decode_video,
     sample_indices,
 )
-from ec_frontend.model.video_processor import QwenVideoRule
 from PIL import Image
 
 from ..helpers.origin import Origin, Route, origin
@@ -40,6 +41,8 @@ from ..helpers.video import (
     make_audio_only,
     make_clip,
     make_empty_video,
+    make_png_video,
+    qwen_video_rule,
 )
 
 #: A WebM (streamable: a cut keeps the frames before it) of 16 frames.
@@ -162,6 +165,28 @@ def test_bad_videos_are_input_errors(data: bytes, code: str, words: str) -> None
     assert info.value.message.startswith("video 2 ")
 
 
+def test_huge_frames_are_refused_without_being_allocated() -> None:
+    """A 10000x10000 stream (a real, decodable PNG frame: 300 MB as RGB) and a bomb of
+    100 streams whose headers declare 10000x10000 frames, in files under 600 KB: FFmpeg's
+    probe decode while opening is capped at ``max_frame_pixels`` too, so neither
+    allocates its frames (the bomb took 10 GB and 22 s before the cap covered every
+    stream)."""
+    huge = make_png_video(10_000, 10_000)
+    bomb = make_png_video(10_000, 10_000, streams=100, rows=2)
+    assert len(huge) < 600_000 and len(bomb) < 100_000
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for data in (huge, bomb):
+        start = time.monotonic()
+        with pytest.raises(InputError) as info:
+            decode(data)
+        assert time.monotonic() - start < 2
+        assert info.value.code == "video_too_large"
+        assert "--max-video-frame-pixels" in info.value.message
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024 < 64
+    # Within the cap, the same kind of file decodes.
+    assert decode(make_png_video(64, 48)).frames.shape == (2, 48, 64, 3)
+
+
 def test_limits_are_checked_before_decoding() -> None:
     data = make_clip(frames=8)
     with pytest.raises(InputError, match="--max-video-frames") as info:
@@ -181,16 +206,7 @@ def test_limits_are_checked_before_decoding() -> None:
 # ------------------------------------------------------------------ the Qwen2-VL rule
 
 
-RULE = QwenVideoRule(
-    min_pixels=56 * 56,
-    max_pixels=224 * 224,
-    patch_size=14,
-    temporal_patch_size=2,
-    merge_size=2,
-    image_mean=(0.48145466, 0.4578275, 0.40821073),
-    image_std=(0.26862954, 0.26130258, 0.27577711),
-    rescale_factor=1 / 255,
-)
+RULE = qwen_video_rule(56 * 56, 224 * 224)
 
 
 def test_consecutive_frames_form_one_temporal_patch() -> None:
@@ -227,16 +243,7 @@ def test_frames_are_resized_into_the_pixel_range() -> None:
 # ------------------------------------------------------------------ the native kernels
 
 #: transformers' ``Qwen2VLVideoProcessor`` defaults (the rule above has a smaller range).
-HF_RULE = QwenVideoRule(
-    min_pixels=128 * 28 * 28,
-    max_pixels=28 * 28 * 768,
-    patch_size=14,
-    temporal_patch_size=2,
-    merge_size=2,
-    image_mean=(0.48145466, 0.4578275, 0.40821073),
-    image_std=(0.26862954, 0.26130258, 0.27577711),
-    rescale_factor=1 / 255,
-)
+HF_RULE = qwen_video_rule(128 * 28 * 28, 28 * 28 * 768)
 #: The test-only torchvision (``scripts/setup.sh``) beside the interpreter's venv.
 TORCHVISION_DIR = Path(sys.prefix) / "extras" / "torchvision"
 

@@ -38,7 +38,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from PIL import Image
 from ec_frontend import _core
 from ec_frontend.model.errors import InputError
 from ec_frontend.model.native_preprocess import DISABLE_ENV
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 #: transformers' ``Qwen2VLVideoProcessor`` pixel range (``size`` of the class).
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
@@ -141,10 +144,10 @@ class QwenVideoRule:
         if size is not None:
             pixels["min_pixels"] = int(size.get("shortest_edge", self.min_pixels))
             pixels["max_pixels"] = int(size.get("longest_edge", self.max_pixels))
+        # An ndarray exports the buffer protocol; numpy's stubs do not say so to mypy.
+        contiguous = cast("Buffer", np.ascontiguousarray(frames, dtype=np.uint8))
         try:
-            buf, shape, grid = native.preprocess_video(
-                np.ascontiguousarray(frames, dtype=np.uint8), index=index, **pixels
-            )
+            buf, shape, grid = native.preprocess_video(contiguous, index=index, **pixels)
         except _core.ImageError as exc:
             raise InputError(f"video {index} {exc.message}", code="invalid_video") from exc
         values = np.frombuffer(memoryview(buf), dtype=np.float32).reshape(shape)
