@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Literal, final
 
-from typing_extensions import Self
+from typing_extensions import Buffer, Self
 
 __all__ = [
     "ClipPreprocessor",
@@ -400,6 +400,23 @@ class QwenVlPreprocessor:
         """Per image ``(pixels, (rows, patch_dim), (t, h, w))``, in order. The GIL is
         released throughout; the images are processed in parallel. Raises
         :class:`ImageError` for the first failing image (by position)."""
+
+    def preprocess_video(
+        self,
+        frames: Buffer,
+        *,
+        index: int = 0,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> tuple[PixelBuffer, tuple[int, int], tuple[int, int, int]]:
+        """transformers' ``Qwen2VLVideoProcessor`` rule over ``frames`` (a C-contiguous
+        uint8 ``[n, height, width, 3]`` buffer of RGB frames, not written to during the
+        call): one target size for all frames, Pillow's resampling (frames in parallel),
+        rescale and normalize fused, ``temporal_patch_size`` consecutive frames per
+        temporal patch, the last frame repeated to pad. ``(pixels, (rows, patch_dim),
+        (t, h, w))``; the GIL is released throughout. Raises :class:`ImageError` (with
+        ``index``) for a frame size the rule refuses, ``ValueError`` for a buffer of
+        another shape."""
 
 @final
 class ClipPreprocessor:

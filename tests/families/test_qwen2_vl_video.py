@@ -16,7 +16,9 @@ its own frames. Bad videos get a 400 naming the part and leave the server health
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from ..disagg.conftest import serve
 from ..helpers.processes import Proc, start_all
-from ..helpers.video import make_audio_only, make_clip
+from ..helpers.video import make_audio_only, make_clip, make_empty_video, make_png_video
 from .conftest import image_bytes, write_qwen2_vl
 from .video_flows import (
     Case,
@@ -160,49 +162,64 @@ def test_one_video_sampled_two_ways_is_two_items(
         )
 
 
-@pytest.mark.parametrize(
-    ("part", "code", "words"),
-    [
-        (
-            {"url": "data:video/mp4;base64," + base64.b64encode(b"\x00" * 512).decode()},
-            "invalid_video",
-            "not a readable video",
-        ),
-        (
-            {"url": "data:video/mp4;base64," + base64.b64encode(make_audio_only()).decode()},
-            "invalid_video",
-            "no video stream",
-        ),
-        (
-            {
-                "url": "data:video/mp4;base64,"
-                + base64.b64encode(make_clip(frames=8)[:700]).decode()
-            },
-            "invalid_video",
-            "video",
-        ),
-        ({"url": "data:image/png;base64,AAAA"}, "invalid_data_url", "video/*"),
-        # 16 frames sampled (the default num_frames is 32) over the server's 12.
-        (
-            {"url": "data:video/mp4;base64," + base64.b64encode(make_clip(frames=16)).decode()},
-            "video_too_large",
-            "--max-video-frames",
-        ),
-    ],
-)
+def b64_video(data: bytes) -> dict[str, str]:
+    return {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}
+
+
+#: name -> (the part, built when the test runs; code; words in the message).
+BAD_VIDEOS: dict[str, tuple[Callable[[], dict[str, str]], str, str]] = {
+    "random-bytes": (lambda: b64_video(b"\x00" * 512), "invalid_video", "not a readable video"),
+    "audio-only": (lambda: b64_video(make_audio_only()), "invalid_video", "no video stream"),
+    "truncated": (lambda: b64_video(make_clip(frames=8)[:700]), "invalid_video", "video"),
+    "zero-frames": (lambda: b64_video(make_empty_video()), "invalid_video", "video"),
+    "not-video-data-url": (
+        lambda: {"url": "data:image/png;base64,AAAA"},
+        "invalid_data_url",
+        "video/*",
+    ),
+    # 16 frames sampled (the default num_frames is 32) over the server's 12.
+    "too-many-frames": (
+        lambda: b64_video(make_clip(frames=16)),
+        "video_too_large",
+        "--max-video-frames",
+    ),
+    # Two frames 12 hours apart: a header (and frame times) claiming 24 hours.
+    "24-hours": (
+        lambda: b64_video(make_clip(frames=2, rate=Fraction(1, 43200))),
+        "video_too_long",
+        "--max-video-duration",
+    ),
+    # A real 10000x10000 frame (300 MB as RGB) in a 580 KB file.
+    "10000x10000": (
+        lambda: b64_video(make_png_video(10_000, 10_000)),
+        "video_too_large",
+        "--max-video-frame-pixels",
+    ),
+    # 100 streams declaring 10000x10000 frames in 80 KB.
+    "container-bomb": (
+        lambda: b64_video(make_png_video(10_000, 10_000, streams=100, rows=2)),
+        "video_too_large",
+        "--max-video-frame-pixels",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_VIDEOS)
 def test_bad_videos_are_400s_naming_the_part_and_the_server_stays_healthy(
-    server: Proc, png: bytes, clip: bytes, part: dict[str, Any], code: str, words: str
+    server: Proc, png: bytes, clip: bytes, bad: str
 ) -> None:
-    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what?"}, {"type": "video_url", "video_url": part}]}]}  # fmt: skip
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    """The bad video and a good one at once: the bad one is a 400 naming the part, the
+    good one is answered, and the server stays healthy."""
+    build, code, words = BAD_VIDEOS[bad]
+    parts = [{"type": "text", "text": "what?"}, {"type": "video_url", "video_url": build()}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": parts}]}
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(chat, server, "video", video_data_url(clip), png)
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert good.result(timeout=120).choices[0].finish_reason in ("stop", "length")
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"].startswith("messages[0].content[1].video_url"), error
     assert error["code"] == code, error
     assert words in error["message"], error
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    assert chat(server, "video", video_data_url(clip), png).choices[0].finish_reason in (
-        "stop",
-        "length",
-    )

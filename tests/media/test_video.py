@@ -8,7 +8,13 @@ each, in memory.
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
+import subprocess
+import sys
+import time
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +23,9 @@ import torch
 from ec_frontend import _core
 from ec_frontend.media import MediaError, MediaFetchConfig, MediaFetcher, parse_networks
 from ec_frontend.media.items import resolve_items
+from ec_frontend.model import video_processor
 from ec_frontend.model.errors import InputError
+from ec_frontend.model.native_preprocess import DISABLE_ENV
 from ec_frontend.model.video import (
     DEFAULT_NUM_FRAMES,
     VideoLimits,
@@ -25,7 +33,7 @@ from ec_frontend.model.video import (
     decode_video,
     sample_indices,
 )
-from ec_frontend.model.video_processor import QwenVideoRule
+from PIL import Image
 
 from ..helpers.origin import Origin, Route, origin
 from ..helpers.video import (
@@ -33,6 +41,8 @@ from ..helpers.video import (
     make_audio_only,
     make_clip,
     make_empty_video,
+    make_png_video,
+    qwen_video_rule,
 )
 
 #: A WebM (streamable: a cut keeps the frames before it) of 16 frames.
@@ -155,6 +165,28 @@ def test_bad_videos_are_input_errors(data: bytes, code: str, words: str) -> None
     assert info.value.message.startswith("video 2 ")
 
 
+def test_huge_frames_are_refused_without_being_allocated() -> None:
+    """A 10000x10000 stream (a real, decodable PNG frame: 300 MB as RGB) and a bomb of
+    100 streams whose headers declare 10000x10000 frames, in files under 600 KB: FFmpeg's
+    probe decode while opening is capped at ``max_frame_pixels`` too, so neither
+    allocates its frames (the bomb took 10 GB and 22 s before the cap covered every
+    stream)."""
+    huge = make_png_video(10_000, 10_000)
+    bomb = make_png_video(10_000, 10_000, streams=100, rows=2)
+    assert len(huge) < 600_000 and len(bomb) < 100_000
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for data in (huge, bomb):
+        start = time.monotonic()
+        with pytest.raises(InputError) as info:
+            decode(data)
+        assert time.monotonic() - start < 2
+        assert info.value.code == "video_too_large"
+        assert "--max-video-frame-pixels" in info.value.message
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024 < 64
+    # Within the cap, the same kind of file decodes.
+    assert decode(make_png_video(64, 48)).frames.shape == (2, 48, 64, 3)
+
+
 def test_limits_are_checked_before_decoding() -> None:
     data = make_clip(frames=8)
     with pytest.raises(InputError, match="--max-video-frames") as info:
@@ -174,16 +206,7 @@ def test_limits_are_checked_before_decoding() -> None:
 # ------------------------------------------------------------------ the Qwen2-VL rule
 
 
-RULE = QwenVideoRule(
-    min_pixels=56 * 56,
-    max_pixels=224 * 224,
-    patch_size=14,
-    temporal_patch_size=2,
-    merge_size=2,
-    image_mean=(0.48145466, 0.4578275, 0.40821073),
-    image_std=(0.26862954, 0.26130258, 0.27577711),
-    rescale_factor=1 / 255,
-)
+RULE = qwen_video_rule(56 * 56, 224 * 224)
 
 
 def test_consecutive_frames_form_one_temporal_patch() -> None:
@@ -215,6 +238,119 @@ def test_frames_are_resized_into_the_pixel_range() -> None:
     assert grid == (1, 8, 10)  # 48x64 upscaled to 112x140
     with pytest.raises(InputError, match="aspect ratio"):
         RULE.preprocess(np.zeros((2, 1, 300, 3), np.uint8), index=4)
+
+
+# ------------------------------------------------------------------ the native kernels
+
+#: transformers' ``Qwen2VLVideoProcessor`` defaults (the rule above has a smaller range).
+HF_RULE = qwen_video_rule(128 * 28 * 28, 28 * 28 * 768)
+#: The test-only torchvision (``scripts/setup.sh``) beside the interpreter's venv.
+TORCHVISION_DIR = Path(sys.prefix) / "extras" / "torchvision"
+
+
+def smooth_frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
+    """Camera-like frames: smooth colour fields plus noise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        small = rng.integers(0, 256, (max(height // 20, 2), max(width // 20, 2), 3), np.uint8)
+        field = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC)
+        noisy = np.asarray(field).astype(np.int16) + rng.integers(-6, 7, (height, width, 3))
+        out.append(np.clip(noisy, 0, 255).astype(np.uint8))
+    return np.stack(out)
+
+
+def noise_frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, height, width, 3), np.uint8)
+
+
+#: name -> (frames, (min_pixels, max_pixels)): downscaled, upscaled, odd sizes and
+#: counts, a tall strip, and frames already at the target size.
+NATIVE_CASES: dict[str, tuple[np.ndarray, tuple[int, int]]] = {
+    "noise-720p": (noise_frames(3, 720, 1280, 1), (100_352, 602_112)),
+    "smooth-720p": (smooth_frames(2, 720, 1280, 2), (100_352, 602_112)),
+    "upscaled": (smooth_frames(2, 48, 64, 3), (100_352, 602_112)),
+    "noise-upscaled": (noise_frames(1, 48, 64, 4), (100_352, 602_112)),
+    "odd": (smooth_frames(5, 97, 131, 5), (3136, 50_176)),
+    "tall": (smooth_frames(2, 1000, 30, 6), (3136, 602_112)),
+    "exact": (smooth_frames(3, 56, 84, 7), (3136, 50_176)),
+}
+
+
+def pixel_range(case: str) -> dict[str, int]:
+    low, high = NATIVE_CASES[case][1]
+    return {"shortest_edge": low, "longest_edge": high}
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
+def test_the_native_video_rule_equals_the_python_rule(case: str) -> None:
+    frames = NATIVE_CASES[case][0]
+    grid, pixels = HF_RULE.preprocess(frames, index=0, size=pixel_range(case))
+    want_grid, want = HF_RULE.preprocess_python(frames, index=0, size=pixel_range(case))
+    assert grid == want_grid
+    assert pixels.dtype == torch.float32
+    assert torch.equal(pixels, want)  # bit-identical, resized frames included
+
+
+def test_the_native_video_rule_checks_what_the_python_rule_checks() -> None:
+    # The checkpoint's own range (no size), and an aspect ratio over 200.
+    frames = NATIVE_CASES["odd"][0]
+    grid, pixels = RULE.preprocess(frames, index=0)
+    assert (grid, pixels.shape) == ((3, 6, 10), (3 * 6 * 10, 3 * 2 * 14 * 14))
+    assert torch.equal(pixels, RULE.preprocess_python(frames, index=0)[1])
+    with pytest.raises(InputError, match="aspect ratio") as info:
+        RULE.preprocess(np.zeros((2, 1, 300, 3), np.uint8), index=4)
+    assert info.value.code == "invalid_video"
+    assert info.value.message.startswith("video 4 ")
+    # Frames that are a view (not contiguous) are read as the frames they show.
+    wide = smooth_frames(2, 56, 168, 8)
+    view = wide[:, :, ::2]
+    assert torch.equal(RULE.preprocess(view, index=0)[1], RULE.preprocess_python(view, index=0)[1])
+
+
+def test_the_python_rule_serves_when_native_is_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    rule = RULE
+    video_processor._native_kernels.cache_clear()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    try:
+        assert video_processor._native_kernels(rule) is None
+        frames = NATIVE_CASES["exact"][0]
+        _, pixels = rule.preprocess(frames, index=0)
+        assert torch.equal(pixels, rule.preprocess_python(frames, index=0)[1])
+    finally:
+        video_processor._native_kernels.cache_clear()
+    monkeypatch.delenv(DISABLE_ENV)
+    assert video_processor._native_kernels(rule) is not None
+
+
+@pytest.mark.slow
+def test_the_native_video_rule_against_transformers(tmp_path: Path) -> None:
+    """transformers' ``Qwen2VLVideoProcessor`` (torchvision, in a child process):
+    grids equal; frames at the target size bit-identical; resized frames within two
+    8-bit levels after normalization (torchvision's bicubic rounds differently from
+    Pillow's, whose bytes the native kernels reproduce: ``docs/video.md``)."""
+    if not (TORCHVISION_DIR / "torchvision").is_dir():
+        pytest.fail(f"the test-only torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh)")
+    arrays: dict[str, np.ndarray] = {}
+    for case, (frames, pixels) in NATIVE_CASES.items():
+        arrays[f"{case}/frames"] = frames
+        arrays[f"{case}/pixels"] = np.array(pixels)
+    np.savez(tmp_path / "in.npz", **arrays)
+    script = Path(__file__).with_name("video_torchvision_reference.py")
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+        env=dict(os.environ, PYTHONPATH=str(TORCHVISION_DIR)),
+        check=True,
+        timeout=600,
+    )
+    reference = np.load(tmp_path / "out.npz")
+    two_levels = 2 / 255 / min(HF_RULE.image_std) + 1e-6
+    for case, (frames, _) in NATIVE_CASES.items():
+        grid, pixels = HF_RULE.preprocess(frames, index=0, size=pixel_range(case))
+        assert [list(grid)] == reference[f"{case}/video_grid_thw"].tolist(), case
+        want = torch.from_numpy(reference[f"{case}/pixel_values_videos"])
+        atol = 0.0 if case == "exact" else two_levels
+        torch.testing.assert_close(pixels, want, atol=atol, rtol=0, msg=case)
 
 
 # ------------------------------------------------------------------ by URL

@@ -21,6 +21,8 @@ Contract of :func:`decode_video`:
   decoding, so decoded memory is bounded by the caps;
 * only the sampled frames are kept: the decoder seeks to the keyframe before a
   sampled frame when that skips undecoded frames, and otherwise decodes forward;
+  for H.264 and HEVC, frames that no other frame references (most B-frames) are
+  not decoded unless they are sampled (FFmpeg's ``skip_frame``, set per packet);
 * a sampled frame that cannot be decoded (truncated or corrupt data) fails the
   video; a frame of another size than the stream's header says fails it too;
 * every decoded video is counted, with its sampled frames and its container
@@ -37,7 +39,7 @@ import bisect
 import io
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -46,6 +48,10 @@ import numpy as np
 
 from ec_frontend.metrics import VIDEO_BYTES_DECODED, VIDEO_FRAMES_DECODED, VIDEOS_DECODED
 from ec_frontend.model.errors import InputError
+
+#: Codecs whose decoders drop non-reference frames on request (``skip_frame``
+#: ``NONREF``) without touching the frames that are decoded.
+SKIP_NONREF_CODECS = frozenset({"h264", "hevc"})
 
 #: vLLM 0.33's defaults: ``VideoMediaIO(num_frames=32)``, the loader's ``fps=-1``.
 DEFAULT_NUM_FRAMES = 32
@@ -136,7 +142,15 @@ def decode_video(
     if not data:
         raise _bad(index, "is empty" if data is not None else "has no data")
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        # FFmpeg's probe decodes a frame of each stream while opening: cap its frame
+        # size there already (every stream the header declares), so a header claiming
+        # huge frames allocates nothing.
+        container = av.open(
+            io.BytesIO(data),
+            mode="r",
+            metadata_errors="ignore",
+            options={"max_pixels": str(limits.max_frame_pixels)},
+        )
     except (av.FFmpegError, ValueError, OSError) as exc:
         raise _bad(index, f"is not a readable video container ({exc})") from exc
     try:
@@ -161,9 +175,17 @@ def _decode(
     if not container.streams.video:
         raise _bad(index, "has no video stream (audio-only or not a video)")
     stream = container.streams.video[0]
+    if stream.codec_context is None:  # a codec this FFmpeg has no decoder for
+        raise _bad(index, "has a video stream in a codec that cannot be decoded here")
     width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     if width <= 0 or height <= 0:
-        raise _bad(index, f"has an invalid frame size {width}x{height}")
+        # FFmpeg clears the size of a stream whose frames are over its ``max_pixels``.
+        raise _bad(
+            index,
+            f"has no frame size within {limits.max_frame_pixels} pixels per frame "
+            "(--max-video-frame-pixels): frames too large, or a corrupt stream header",
+            "video_too_large",
+        )
     if width * height > limits.max_frame_pixels:
         raise _bad(
             index,
@@ -257,6 +279,7 @@ def _frames_at(
     """RGB frames at the presentation times ``targets`` (ascending, repeats allowed),
     seeking to the keyframe before a target whenever that skips frames."""
     out: list[np.ndarray] = []
+    wanted = set(targets)
     decoder: Any = None
     ahead: Any = None  # a decoded frame past the previous target, not yet used
     last = -1 << 62  # pts of the last frame taken from the decoder
@@ -268,7 +291,7 @@ def _frames_at(
         key = keyframes[k] if k >= 0 else None
         if decoder is None or (key is not None and key > last):
             container.seek(key if key is not None else 0, stream=stream, backward=True)
-            decoder, ahead = container.decode(stream), None
+            decoder, ahead = _decoded(container, stream, wanted), None
         found = None
         while found is None:
             frame = ahead if ahead is not None else next(decoder, None)
@@ -295,3 +318,21 @@ def _frames_at(
             )
         out.append(rgb)
     return out
+
+
+def _decoded(container: Any, stream: Any, wanted: set[int]) -> Iterator[Any]:
+    """The frames of ``stream`` from the container's position on, as
+    ``container.decode`` gives them, except that for :data:`SKIP_NONREF_CODECS` a
+    packet whose time is not in ``wanted`` asks the decoder to drop its frame when no
+    other frame references it (the frames that are decoded are unchanged)."""
+    context = stream.codec_context
+    skip = context.name in SKIP_NONREF_CODECS
+    try:
+        for packet in container.demux(stream):
+            if skip:
+                needed = packet.pts is None or int(packet.pts) in wanted
+                context.skip_frame = "DEFAULT" if needed else "NONREF"
+            yield from packet.decode()
+    finally:
+        if skip:
+            context.skip_frame = "DEFAULT"

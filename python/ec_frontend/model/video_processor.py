@@ -9,7 +9,7 @@ transformers' video defaults for the pixel range):
   size with factor ``patch_size * merge_size`` into ``[min_pixels, max_pixels]``
   (a request's ``mm_processor_kwargs`` override the two); frames that already
   have that size are not resampled (as transformers' resize, which returns
-  such frames unchanged); others are resampled bicubically by Pillow, as
+  such frames unchanged); others are resampled bicubically as Pillow does, as
   transformers' PIL image backend does (its torchvision video backend differs
   by a rounding on some pixels: ``docs/video.md``);
 * rescale and normalize are fused as transformers fuses them
@@ -31,22 +31,36 @@ Two subclasses carry what later Qwen families add (``docs/video.md``):
   (frames smaller than one merge window are first scaled up, and a video needs
   at least ``temporal_patch_size`` frames), and the time of each temporal patch
   that the prompt writes before the patch's tokens.
+
+:meth:`QwenVideoRule.preprocess` runs the rule in the Rust core (the image
+kernels: Pillow's resampling, frames in parallel, one call per video with the GIL
+released); :meth:`QwenVideoRule.preprocess_python` is the same rule in Pillow and
+torch, the fallback (``EC_FRONTEND_DISABLE_NATIVE_PREPROCESS``, or a rule the
+native kernels refuse) and the reference the native path is checked against
+(bit-identical, ``tests/media/test_video.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import torch
 from PIL import Image
 
+from ec_frontend import _core
 from ec_frontend.model.errors import InputError
+from ec_frontend.model.native_preprocess import DISABLE_ENV
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 #: transformers' ``Qwen2VLVideoProcessor`` pixel range (``size`` of the class).
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
@@ -179,7 +193,31 @@ class QwenVideoRule:
         self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
     ) -> tuple[tuple[int, int, int], torch.Tensor]:
         """``(grid_thw, pixel_values [t*h*w, 3*temporal*patch*patch] float32)`` of
-        ``frames`` (``[n, H, W, 3]`` uint8 RGB)."""
+        ``frames`` (``[n, H, W, 3]`` uint8 RGB), by the native kernels when they take
+        this rule, else by :meth:`preprocess_python`. The native kernels size each
+        frame alone (Qwen2-VL's ``smart_resize``); a rule that sizes frames otherwise
+        (Qwen3-VL's budget for the whole video) runs in Python."""
+        per_frame = type(self).video_size is QwenVideoRule.video_size
+        native = _native_kernels(self) if per_frame else None
+        if native is None:
+            return self.preprocess_python(frames, index=index, size=size)
+        pixels: dict[str, int] = {}
+        if size is not None:
+            pixels["min_pixels"] = int(size.get("shortest_edge", self.min_pixels))
+            pixels["max_pixels"] = int(size.get("longest_edge", self.max_pixels))
+        # An ndarray exports the buffer protocol; numpy's stubs do not say so to mypy.
+        contiguous = cast("Buffer", np.ascontiguousarray(frames, dtype=np.uint8))
+        try:
+            buf, shape, grid = native.preprocess_video(contiguous, index=index, **pixels)
+        except _core.ImageError as exc:
+            raise InputError(f"video {index} {exc.message}", code="invalid_video") from exc
+        values = np.frombuffer(memoryview(buf), dtype=np.float32).reshape(shape)
+        return grid, torch.from_numpy(values)
+
+    def preprocess_python(
+        self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
+    ) -> tuple[tuple[int, int, int], torch.Tensor]:
+        """:meth:`preprocess` in Pillow and torch (the fallback and the reference)."""
         count, height, width, _ = frames.shape
         try:
             th, tw = self.video_size(count, height, width, size)
@@ -304,3 +342,26 @@ class Qwen3VideoRule(QwenVideoRule):
         return [
             (seconds[k] + seconds[k + temporal - 1]) / 2 for k in range(0, len(seconds), temporal)
         ]
+
+
+@functools.lru_cache(maxsize=16)
+def _native_kernels(rule: QwenVideoRule) -> _core.QwenVlPreprocessor | None:
+    """The Rust core's Qwen2-VL kernels with ``rule``'s values (bicubic, as the Python
+    path resamples), or ``None`` when disabled (``EC_FRONTEND_DISABLE_NATIVE_PREPROCESS``)
+    or refused (settings the core cannot honour)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        return _core.QwenVlPreprocessor(
+            min_pixels=rule.min_pixels,
+            max_pixels=rule.max_pixels,
+            patch_size=rule.patch_size,
+            merge_size=rule.merge_size,
+            temporal_patch_size=rule.temporal_patch_size,
+            rescale_factor=rule.rescale_factor,
+            image_mean=list(rule.image_mean),
+            image_std=list(rule.image_std),
+            resample=int(Image.Resampling.BICUBIC),
+        )
+    except ValueError:
+        return None

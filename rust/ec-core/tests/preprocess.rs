@@ -4,7 +4,7 @@
 use std::io::Cursor;
 
 use ec_core::preprocess::{
-    decode_rgb, probe, smart_resize, ImageFormat, PreprocessError, QwenVlConfig,
+    decode_rgb, probe, smart_resize, ImageFormat, PreprocessError, QwenVlConfig, RgbImage as Rgb,
 };
 use image::{ImageEncoder, ImageFormat as Fmt, RgbImage, RgbaImage};
 
@@ -137,6 +137,82 @@ fn patches_follow_the_merge_window_layout() {
         }
     }
     assert_eq!(config.num_tokens(56, 56), Ok(4));
+}
+
+/// A `w` x `h` RGB frame whose values depend on `seed` and the position.
+fn frame(w: u32, h: u32, seed: u32) -> Rgb {
+    let data = (0..w * h * 3)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) as u8)
+        .collect();
+    Rgb {
+        width: w,
+        height: h,
+        data,
+    }
+}
+
+#[test]
+fn video_frames_are_image_rows_in_temporal_slots() {
+    // 84x56 needs no resize; 100x70 is resized. Identity normalization: the image
+    // rule's two steps and the video rule's fused one agree on it.
+    for (w, h) in [(84u32, 56u32), (100, 70)] {
+        let config = QwenVlConfig {
+            image_mean: [0.0; 3],
+            image_std: [1.0; 3],
+            rescale_factor: 1.0,
+            ..QwenVlConfig::default()
+        };
+        let frames: Vec<Rgb> = (0..3).map(|i| frame(w, h, i)).collect();
+        let images: Vec<_> = frames
+            .iter()
+            .map(|f| config.preprocess_rgb(f).unwrap())
+            .collect();
+        let joined: Vec<u8> = frames.iter().flat_map(|f| f.data.clone()).collect();
+        let video = config.preprocess_video(&joined, 3, w, h).unwrap();
+        let (_, gh, gw) = images[0].grid_thw;
+        // Three frames are padded to four: two temporal patches, the last frame twice.
+        assert_eq!(video.grid_thw, (2, gh, gw));
+        let dim = video.patch_dim;
+        let rows = (gh * gw) as usize;
+        assert_eq!(video.pixel_values.len(), 2 * rows * dim);
+        let plane = 14 * 14;
+        for g in 0..2 {
+            for row in 0..rows {
+                for c in 0..3 {
+                    for k in 0..2 {
+                        let source = (g * 2 + k).min(2);
+                        let at = ((g * rows + row) * dim) + (c * 2 + k) * plane;
+                        let want = row * dim + (c * 2) * plane;
+                        assert_eq!(
+                            video.pixel_values[at..at + plane],
+                            images[source].pixel_values[want..want + plane],
+                            "{w}x{h}: temporal patch {g}, row {row}, channel {c}, slot {k}"
+                        );
+                    }
+                }
+            }
+        }
+        // One frame is the image: its temporal patch repeats it.
+        let one = config.preprocess_video(&frames[1].data, 1, w, h).unwrap();
+        assert_eq!(one, images[1]);
+    }
+}
+
+#[test]
+fn video_sizes_are_checked() {
+    let config = QwenVlConfig::default();
+    assert!(matches!(
+        config.preprocess_video(&[], 0, 56, 56),
+        Err(PreprocessError::ZeroSize { .. })
+    ));
+    assert!(matches!(
+        config.preprocess_video(&[0; 56 * 56 * 3], 2, 56, 56),
+        Err(PreprocessError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        config.preprocess_video(&[0; 300 * 3], 1, 300, 1),
+        Err(PreprocessError::Unprocessable { .. })
+    ));
 }
 
 #[test]

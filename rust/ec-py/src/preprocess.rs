@@ -1,7 +1,8 @@
 //! Bindings of `ec_core::preprocess`: the header probe and the Qwen2-VL image rule.
 //! Pixels come back in a buffer object (`PixelBuffer`, float32) that
 //! `numpy.frombuffer` / `torch.frombuffer` wrap without a copy. The GIL is released for
-//! every decode; the images of one call are processed in parallel.
+//! every decode; the images of one call are processed in parallel, and so are the
+//! frames of one video (`QwenVlPreprocessor.preprocess_video`).
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
@@ -9,6 +10,7 @@ use std::ffi::{c_int, c_void};
 use ec_core::preprocess::{
     self, ClipConfig, ClipOutput, Filter, ImageFormat, PreprocessError, QwenVlConfig, QwenVlOutput,
 };
+use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
@@ -281,6 +283,49 @@ impl PyQwenVlPreprocessor {
                 Ok((PixelBuffer::new(pixel_values), (rows, patch_dim), grid_thw))
             })
             .collect()
+    }
+
+    /// The video rule over `frames`, a C-contiguous uint8 buffer `[n, height, width, 3]`
+    /// (RGB frames), with the GIL released and the frames resized in parallel; returns
+    /// `(PixelBuffer, (rows, patch_dim), (t, h, w))` or raises `ImageError` (`index`
+    /// names the video). The caller must not write to `frames` during the call.
+    #[pyo3(signature = (frames, *, index = 0, min_pixels = None, max_pixels = None))]
+    fn preprocess_video(
+        &self,
+        py: Python<'_>,
+        frames: PyBuffer<u8>,
+        index: usize,
+        min_pixels: Option<u64>,
+        max_pixels: Option<u64>,
+    ) -> PyResult<Preprocessed> {
+        let config = self.with_pixels(min_pixels, max_pixels)?;
+        let shape = frames.shape();
+        if shape.len() != 4 || shape[3] != 3 || !frames.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "frames must be a C-contiguous uint8 [n, height, width, 3] array, got shape \
+                 {shape:?}"
+            )));
+        }
+        let (count, height, width) = (shape[0], shape[1], shape[2]);
+        let (Ok(height), Ok(width)) = (u32::try_from(height), u32::try_from(width)) else {
+            return Err(PyValueError::new_err("frame size out of range"));
+        };
+        // SAFETY: the buffer is exported (held by `frames`) for the whole call, C-contiguous
+        // and `item_count` bytes long; the caller does not write to it meanwhile (the
+        // contract above), so reading it as a shared slice is sound.
+        let data: &[u8] = unsafe {
+            std::slice::from_raw_parts(frames.buf_ptr() as *const u8, frames.item_count())
+        };
+        let out = py
+            .detach(|| config.preprocess_video(data, count, width, height))
+            .map_err(|e| image_error(py, index, &e))?;
+        let QwenVlOutput {
+            pixel_values,
+            grid_thw,
+            patch_dim,
+        } = out;
+        let rows = pixel_values.len() / patch_dim.max(1);
+        Ok((PixelBuffer::new(pixel_values), (rows, patch_dim), grid_thw))
     }
 }
 

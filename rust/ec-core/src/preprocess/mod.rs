@@ -110,6 +110,26 @@ pub(crate) fn normalization_lut(rescale: f64, mean: &[f32; 3], std: &[f32; 3]) -
     lut
 }
 
+/// Float32 value of every 8-bit level per channel as transformers' video processors
+/// compute it, rescale and normalize fused (`BaseVideoProcessor`): `mean` and `std`
+/// divided by `rescale` (`float32 * float32(1 / rescale)`), then `(float32(v) -
+/// mean') / std'` in float32.
+pub(crate) fn fused_normalization_lut(
+    rescale: f64,
+    mean: &[f32; 3],
+    std: &[f32; 3],
+) -> [[f32; 256]; 3] {
+    let scale = (1.0 / rescale) as f32;
+    let mut lut = [[0f32; 256]; 3];
+    for (c, table) in lut.iter_mut().enumerate() {
+        let (m, s) = (mean[c] * scale, std[c] * scale);
+        for (v, out) in table.iter_mut().enumerate() {
+            *out = (v as f32 - m) / s;
+        }
+    }
+    lut
+}
+
 /// `f` over the images of one request, in parallel on rayon's pool (one image runs on
 /// the calling thread); results in input order, each image's own error in its slot.
 pub(crate) fn each_image<T: Send>(

@@ -5,11 +5,19 @@
 //! `[grid_h * grid_w, 3 * temporal_patch_size * patch_size^2]` rows in merge-window
 //! order (`gh, gw, mh, mw` rows; `c, t, ph, pw` columns), each frame repeated
 //! `temporal_patch_size` times.
+//!
+//! Videos ([`QwenVlConfig::preprocess_video`]) follow transformers'
+//! `Qwen2VLVideoProcessor` with the same kernels: every frame resized to the one
+//! target size of the frame size (Pillow's resampling, frames in parallel), rescale
+//! and normalize fused as transformers' video processors fuse them (which rounds
+//! differently from the image rule's two steps), and `temporal_patch_size`
+//! consecutive frames per temporal patch, the count padded by repeating the last
+//! frame.
 
 use super::resize::{avx2_dispatch, resize, Filter};
 use super::{
-    decode_rgb, each_image, normalization_lut, reserve, ImageFormat, PreprocessError, Result,
-    RgbImage,
+    decode_rgb, each_image, fused_normalization_lut, normalization_lut, reserve, ImageFormat,
+    PreprocessError, Result, RgbImage,
 };
 
 /// The checkpoint's `preprocessor_config.json` values the rule reads.
@@ -177,25 +185,87 @@ impl QwenVlConfig {
     }
 }
 
+/// `pixel_values` rows of a `w` x `h` RGB image (both multiples of `p * m`): merge
+/// windows in raster order, their `m * m` patches in raster order; per patch, per
+/// channel, the `p * p` normalized values `t` times (one temporal patch whose slots
+/// all hold the image). Written in output order, so the buffer is filled once,
+/// never zeroed first.
+fn patchify(
+    resized: &[u8],
+    w: usize,
+    h: usize,
+    p: usize,
+    m: usize,
+    t: usize,
+    lut: &[[f32; 256]; 3],
+) -> Result<Vec<f32>> {
+    let total = (h / p) * (w / p) * 3 * t * p * p;
+    let mut out = reserve::<f32>(total)?;
+    temporal_patch(
+        &mut out.spare_capacity_mut()[..total],
+        &vec![resized; t],
+        w,
+        h,
+        p,
+        m,
+        lut,
+    );
+    // SAFETY: `temporal_patch` wrote all `total` values (`gh / m * gw / m * m * m`
+    // patches of `3 * t * p * p` values).
+    unsafe { out.set_len(total) };
+    Ok(out)
+}
+
+/// `pixel_values` rows of `frames` (each a `w` x `h` RGB frame, both multiples of
+/// `p * m`): temporal patch `g` holds frames `g * t .. g * t + t` (the last frame
+/// repeated past the end); within it the rows and columns of [`patchify`], each
+/// temporal slot from its own frame. Temporal patches are written in parallel, each
+/// into its own part of the output, once, in order.
+fn patchify_frames(
+    frames: &[&[u8]],
+    w: usize,
+    h: usize,
+    p: usize,
+    m: usize,
+    t: usize,
+    lut: &[[f32; 256]; 3],
+) -> Result<(Vec<f32>, usize)> {
+    use rayon::prelude::*;
+    let groups = frames.len().div_ceil(t);
+    let per_group = (h / p) * (w / p) * 3 * t * p * p;
+    let total = groups * per_group;
+    let mut out = reserve::<f32>(total)?;
+    out.spare_capacity_mut()[..total]
+        .par_chunks_mut(per_group)
+        .enumerate()
+        .for_each(|(g, chunk)| {
+            let slots: Vec<&[u8]> = (0..t)
+                .map(|k| frames[(g * t + k).min(frames.len() - 1)])
+                .collect();
+            temporal_patch(chunk, &slots, w, h, p, m, lut);
+        });
+    // SAFETY: every chunk of `per_group` values was written in full by `temporal_patch`
+    // (its loops write `gh / m * gw / m * m * m` patches of `3 * t * p * p` values).
+    unsafe { out.set_len(total) };
+    Ok((out, groups))
+}
+
 avx2_dispatch! {
-    /// `pixel_values` rows of a `w` x `h` RGB image (both multiples of `p * m`): merge
-    /// windows in raster order, their `m * m` patches in raster order; per patch, per
-    /// channel, the `p * p` normalized values `t` times. Written in output order, so the
-    /// buffer is filled once, never zeroed first.
-    fn patchify(
-        resized: &[u8],
+    /// One temporal patch of [`patchify_frames`]: `slots[k]` is the frame of temporal
+    /// slot `k`; a slot holding the same frame as the one before it (the padding) is
+    /// copied rather than looked up again.
+    fn temporal_patch(
+        chunk: &mut [std::mem::MaybeUninit<f32>],
+        slots: &[&[u8]],
         w: usize,
         h: usize,
         p: usize,
         m: usize,
-        t: usize,
         lut: &[[f32; 256]; 3],
-    ) -> Result<Vec<f32>> {
+    ) -> () {
         let (gh, gw) = (h / p, w / p);
         let frame = p * p;
-        let total = gh * gw * 3 * t * frame;
-        let mut out = reserve::<f32>(total)?;
-        let spare = &mut out.spare_capacity_mut()[..total];
+        let t = slots.len();
         let mut at = 0usize;
         for bh in 0..gh / m {
             for bw in 0..gw / m {
@@ -204,16 +274,21 @@ avx2_dispatch! {
                         let y0 = (bh * m + mh) * p;
                         let x0 = (bw * m + mw) * p;
                         for (c, table) in lut.iter().enumerate() {
-                            let (first, rest) = spare[at..at + t * frame].split_at_mut(frame);
-                            for (ph, line) in first.chunks_exact_mut(p).enumerate() {
-                                let start = ((y0 + ph) * w + x0) * 3 + c;
-                                let src = &resized[start..start + (p - 1) * 3 + 1];
-                                for (pw, o) in line.iter_mut().enumerate() {
-                                    o.write(table[usize::from(src[pw * 3])]);
+                            for k in 0..t {
+                                let (done, rest) = chunk[at..at + (k + 1) * frame]
+                                    .split_at_mut(k * frame);
+                                if k > 0 && std::ptr::eq(slots[k], slots[k - 1]) {
+                                    rest.copy_from_slice(&done[(k - 1) * frame..]);
+                                    continue;
                                 }
-                            }
-                            for copy in rest.chunks_exact_mut(frame) {
-                                copy.copy_from_slice(first);
+                                let src_frame = slots[k];
+                                for (ph, line) in rest.chunks_exact_mut(p).enumerate() {
+                                    let start = ((y0 + ph) * w + x0) * 3 + c;
+                                    let src = &src_frame[start..start + (p - 1) * 3 + 1];
+                                    for (pw, o) in line.iter_mut().enumerate() {
+                                        o.write(table[usize::from(src[pw * 3])]);
+                                    }
+                                }
                             }
                             at += t * frame;
                         }
@@ -221,15 +296,72 @@ avx2_dispatch! {
                 }
             }
         }
-        debug_assert_eq!(at, total);
-        // SAFETY: the loops above wrote every one of the `total` values, in order: `gh / m
-        // * gw / m * m * m` patches, each `3 * t * frame` values.
-        unsafe { out.set_len(total) };
-        Ok(out)
+        debug_assert_eq!(at, chunk.len());
     }
 }
 
 impl QwenVlConfig {
+    /// `pixel_values` and `(t, h, w)` of a video: `count` RGB frames of `width` x
+    /// `height`, one after the other in `frames` (`count * height * width * 3` bytes).
+    /// One target size for every frame (`smart_resize` of the frame size); frames
+    /// already at that size are read as they are, others are resized in parallel;
+    /// values are normalized as transformers' video processors do (rescale fused into
+    /// mean and std); the frame count is padded to a multiple of `temporal_patch_size` with the last
+    /// frame.
+    pub fn preprocess_video(
+        &self,
+        frames: &[u8],
+        count: usize,
+        width: u32,
+        height: u32,
+    ) -> Result<QwenVlOutput> {
+        use rayon::prelude::*;
+        let frame_bytes = width as usize * height as usize * 3;
+        if count == 0 || frame_bytes == 0 {
+            return Err(PreprocessError::ZeroSize { width, height });
+        }
+        if frames.len() != count * frame_bytes {
+            return Err(PreprocessError::Corrupt {
+                message: format!(
+                    "{} bytes of frames for {count} frames of {width}x{height}",
+                    frames.len()
+                ),
+            });
+        }
+        let (rh, rw) = smart_resize(
+            height,
+            width,
+            self.factor(),
+            self.min_pixels,
+            self.max_pixels,
+        )?;
+        let (w, h) = (rw as usize, rh as usize);
+        let sources: Vec<&[u8]> = frames.chunks_exact(frame_bytes).collect();
+        let resized: Vec<Vec<u8>> = if (w, h) == (width as usize, height as usize) {
+            Vec::new()
+        } else {
+            sources
+                .par_iter()
+                .map(|f| resize(f, width as usize, height as usize, 3, w, h, self.filter))
+                .collect::<Result<_>>()?
+        };
+        let inputs: Vec<&[u8]> = if resized.is_empty() {
+            sources
+        } else {
+            resized.iter().map(Vec::as_slice).collect()
+        };
+        let p = self.patch_size as usize;
+        let m = self.merge_size as usize;
+        let t = self.temporal_patch_size as usize;
+        let lut = fused_normalization_lut(self.rescale_factor, &self.image_mean, &self.image_std);
+        let (pixel_values, groups) = patchify_frames(&inputs, w, h, p, m, t, &lut)?;
+        Ok(QwenVlOutput {
+            pixel_values,
+            grid_thw: (groups as u32, (h / p) as u32, (w / p) as u32),
+            patch_dim: 3 * t * p * p,
+        })
+    }
+
     /// Preprocesses the images of one request in parallel (rayon's pool); results in
     /// input order, each image's own error in its slot.
     pub fn preprocess_many(
