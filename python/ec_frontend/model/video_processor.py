@@ -273,3 +273,68 @@ class Qwen3VideoRule(QwenVideoRule):
         return [
             (seconds[k] + seconds[k + temporal - 1]) / 2 for k in range(0, len(seconds), temporal)
         ]
+
+
+#: The first grid entry of a LLaVA-OneVision video item (images use 1 and 2:
+#: ``llava_onevision.ALONE`` and ``ONE_OF_SEVERAL``).
+ONEVISION_VIDEO = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LlavaOnevisionVideoRule:
+    """LLaVA-OneVision (``LlavaOnevisionVideoProcessor``): every frame resized to the
+    vision tower's tile (``size`` height x width, no anyres tiling), rescaled and
+    normalized as transformers fuses it; no temporal patches. The item's grid is
+    ``(ONEVISION_VIDEO, frames, 1)`` and its pixels ``[frames, 3, height, width]``."""
+
+    ABSOLUTE_TIME: ClassVar[bool] = False
+    TIMESTAMPS: ClassVar[bool] = False
+
+    height: int
+    width: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+
+    @classmethod
+    def from_checkpoint(cls, directory: Path, image_processor: Any) -> LlavaOnevisionVideoRule:
+        """The rule of ``directory``'s ``video_preprocessor_config.json`` when it has one,
+        else of its image processor's tile size, mean and std."""
+        path = directory / "video_preprocessor_config.json"
+        raw: Mapping[str, Any] = {}
+        if path.is_file():
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        image = getattr(image_processor, "__dict__", {})
+        size = raw.get("size") or image.get("size") or {}
+        mean = raw.get("image_mean") or image.get("image_mean") or (0.48145466, 0.4578275, 0.40821073)
+        std = raw.get("image_std") or image.get("image_std") or (0.26862954, 0.26130258, 0.27577711)
+        return cls(
+            height=int(size.get("height", 384)),
+            width=int(size.get("width", 384)),
+            image_mean=(float(mean[0]), float(mean[1]), float(mean[2])),
+            image_std=(float(std[0]), float(std[1]), float(std[2])),
+            rescale_factor=float(raw.get("rescale_factor") or 1 / 255),
+        )
+
+    def preprocess(
+        self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
+    ) -> tuple[tuple[int, int, int], torch.Tensor]:
+        """``(grid, pixel_values [frames, 3, height, width] float32)`` of ``frames``
+        (``[n, H, W, 3]`` uint8 RGB); ``size`` is unused (the tile is fixed)."""
+        count, height, width, _ = frames.shape
+        if (height, width) != (self.height, self.width):
+            frames = np.stack(
+                [
+                    np.asarray(
+                        Image.fromarray(f).resize(
+                            (self.width, self.height), Image.Resampling.BICUBIC
+                        )
+                    )
+                    for f in frames
+                ]
+            )
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+        std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+        video = video.to(torch.float32).sub_(mean[:, None, None]).div_(std[:, None, None])
+        return (ONEVISION_VIDEO, count, 1), video.contiguous()
