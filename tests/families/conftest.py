@@ -301,8 +301,7 @@ LLAVA_IMAGE_SIZE = 56
 #: LLaVA-OneVision's: LLaVA-1.5's format with ``<video>`` for a video part.
 LLAVA_ONEVISION_TEMPLATE = LLAVA_TEMPLATE.replace(
     "<image>\n{% elif",
-    "<image>\n{% elif part['type'] == 'video' or part['type'] == 'video_url' %}<video>\n"
-    "{% elif",
+    "<image>\n{% elif part['type'] == 'video' or part['type'] == 'video_url' %}<video>\n{% elif",
 )
 
 

@@ -24,7 +24,7 @@ from ec_frontend.model.llava_onevision import VIDEO
 from ec_frontend.model.loader import load_model
 from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.video_processor import LlavaOnevisionVideoRule
-from transformers import LlavaOnevisionForConditionalGeneration
+from transformers import AutoImageProcessor, LlavaOnevisionForConditionalGeneration
 from transformers.image_transforms import resize
 from transformers.image_utils import PILImageResampling
 
@@ -80,9 +80,7 @@ def test_processor_matches_transformers(
     assert video.length == frames * PER_FRAME + 1 == int((ids == video_token).sum())
     assert ids[video.offset : video.offset + video.length].eq(video_token).all()
     assert video.pixel_values is not None
-    torch.testing.assert_close(
-        video.pixel_values, ref["pixel_values_videos"][0], atol=0, rtol=0
-    )
+    torch.testing.assert_close(video.pixel_values, ref["pixel_values_videos"][0], atol=0, rtol=0)
     if CASES[name][0]:
         image = mine.mm_features[0]
         assert image.image_grid_thw == (1, *ref["image_sizes"][0].tolist())
@@ -143,6 +141,17 @@ def test_resized_frames_equal_transformers_pil_resize(model_dir: Path) -> None:
     std = torch.tensor(rule.image_std)[:, None, None] * 255
     torch.testing.assert_close(pixels, (want - mean) / std, atol=0, rtol=0)
     assert not torch.equal(pixels[0], pixels[2])
+
+
+def test_without_a_video_config_the_image_processor_gives_the_tile(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """As transformers reads the image processor's config when a checkpoint has no
+    video processor config."""
+    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    with_config = LlavaOnevisionVideoRule.from_checkpoint(model_dir, image_processor)
+    assert LlavaOnevisionVideoRule.from_checkpoint(tmp_path, image_processor) == with_config
+    assert (with_config.height, with_config.width) == (LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -6,10 +6,10 @@ path has the test-only torchvision install (see
 ``tests/preprocess/torchvision_reference.py``).
 
 Reads ``IN.npz`` (``checkpoint``, ``family`` (``qwen2_vl`` when absent,
-``qwen2_5_vl``, ``qwen3_vl``, ``llava_onevision``), and per case ``<case>/text``, ``<case>/video``: the
-sampled frames ``[n, H, W, 3]`` uint8, ``<case>/image``: PNG bytes or empty, and for
-the families that read it ``<case>/metadata``: ``[fps, total frames, *sampled
-indices]`` of the video) and writes what the processor returns per case to
+``qwen2_5_vl``, ``qwen3_vl``, ``llava_onevision``), and per case ``<case>/text``,
+``<case>/video``: the sampled frames ``[n, H, W, 3]`` uint8, ``<case>/image``: PNG
+bytes or empty, and for the families that read it ``<case>/metadata``: ``[fps,
+total frames, *sampled indices]`` of the video) and writes what the processor returns per case to
 ``OUT.npz``. Images go through the PIL image backend, as in the server's
 environment.
 
@@ -56,7 +56,10 @@ def main(in_path: str, out_path: str) -> None:
     cases = np.load(in_path)
     directory = Path(str(cases["checkpoint"]))
     family = str(cases["family"]) if "family" in cases.files else "qwen2_vl"
-    processor = llava_onevision(directory) if family == "llava_onevision" else qwen(directory, family)
+    if family == "llava_onevision":
+        processor = llava_onevision(directory)
+    else:
+        processor = qwen(directory, family)
     out: dict[str, np.ndarray] = {"torchvision_version": np.array(torchvision.__version__)}
     names = sorted({key.split("/")[0] for key in cases.files if "/" in key})
     for name in names:

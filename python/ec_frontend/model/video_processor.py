@@ -1,5 +1,6 @@
 """Sampled video frames -> ``pixel_values_videos`` and ``video_grid_thw`` by the
-Qwen2-VL video rule, equal to transformers' ``Qwen2VLVideoProcessor``.
+family's video rule, equal to transformers' video processor (``Qwen2VLVideoProcessor``
+and its successors, ``LlavaOnevisionVideoProcessor``).
 
 Contract of :class:`QwenVideoRule` (values from the checkpoint's
 ``video_preprocessor_config.json``, else its image processor's, with
@@ -31,6 +32,11 @@ Two subclasses carry what later Qwen families add (``docs/video.md``):
   (frames smaller than one merge window are first scaled up, and a video needs
   at least ``temporal_patch_size`` frames), and the time of each temporal patch
   that the prompt writes before the patch's tokens.
+
+:class:`LlavaOnevisionVideoRule` (LLaVA-OneVision, ``LlavaOnevisionVideoProcessor``)
+is not a Qwen rule: each frame is resized to the vision tower's tile and
+normalized, with no temporal patches; the tower pools each frame's features
+(``model/llava_onevision.py``).
 """
 
 from __future__ import annotations
@@ -298,19 +304,22 @@ class LlavaOnevisionVideoRule:
 
     @classmethod
     def from_checkpoint(cls, directory: Path, image_processor: Any) -> LlavaOnevisionVideoRule:
-        """The rule of ``directory``'s ``video_preprocessor_config.json`` when it has one,
-        else of its image processor's tile size, mean and std."""
+        """The rule of ``directory``'s ``video_preprocessor_config.json`` (its missing
+        keys at ``LlavaOnevisionVideoProcessor``'s defaults: 384x384, CLIP's mean and
+        std); without one, of its image processor's values, as transformers then
+        reads the image processor's config."""
         path = directory / "video_preprocessor_config.json"
-        raw: Mapping[str, Any] = {}
         if path.is_file():
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        image = getattr(image_processor, "__dict__", {})
-        size = raw.get("size") or image.get("size") or {}
-        mean = raw.get("image_mean") or image.get("image_mean") or (0.48145466, 0.4578275, 0.40821073)
-        std = raw.get("image_std") or image.get("image_std") or (0.26862954, 0.26130258, 0.27577711)
+            raw: Mapping[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            keys = ("size", "image_mean", "image_std", "rescale_factor")
+            raw = {key: getattr(image_processor, key, None) for key in keys}
+        size = dict(raw.get("size") or {})
+        mean = raw.get("image_mean") or (0.48145466, 0.4578275, 0.40821073)
+        std = raw.get("image_std") or (0.26862954, 0.26130258, 0.27577711)
         return cls(
-            height=int(size.get("height", 384)),
-            width=int(size.get("width", 384)),
+            height=int(size.get("height") or 384),
+            width=int(size.get("width") or 384),
             image_mean=(float(mean[0]), float(mean[1]), float(mean[2])),
             image_std=(float(std[0]), float(std[1]), float(std[2])),
             rescale_factor=float(raw.get("rescale_factor") or 1 / 255),
