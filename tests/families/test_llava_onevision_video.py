@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ec_frontend.model.errors import InputError
 from ec_frontend.model.llava_onevision import VIDEO
-from ec_frontend.model.loader import load_model
+from ec_frontend.model.loader import load_model, load_processor
 from ec_frontend.model.processor import InputProcessor
 from ec_frontend.model.video_processor import LlavaOnevisionVideoRule
 from transformers import AutoImageProcessor, LlavaOnevisionForConditionalGeneration
@@ -83,6 +84,7 @@ def test_processor_matches_transformers(
     torch.testing.assert_close(video.pixel_values, ref["pixel_values_videos"][0], atol=0, rtol=0)
     if CASES[name][0]:
         image = mine.mm_features[0]
+        assert image.mm_hash == "aa"  # alone: the image's own key, not one of several
         assert image.image_grid_thw == (1, *ref["image_sizes"][0].tolist())
         tiles = image.pixel_values.shape[0]
         torch.testing.assert_close(
@@ -152,6 +154,13 @@ def test_without_a_video_config_the_image_processor_gives_the_tile(
     with_config = LlavaOnevisionVideoRule.from_checkpoint(model_dir, image_processor)
     assert LlavaOnevisionVideoRule.from_checkpoint(tmp_path, image_processor) == with_config
     assert (with_config.height, with_config.width) == (LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE)
+
+
+def test_families_without_a_video_path_refuse_video(llava_next_dir: Path, clip: bytes) -> None:
+    next_processor = load_processor(llava_next_dir)
+    with pytest.raises(InputError, match="does not take video") as raised:
+        process(next_processor, CASES["video-4"], clip, b"")
+    assert raised.value.code == "unsupported_video"
 
 
 @pytest.mark.parametrize("name", CASES)
