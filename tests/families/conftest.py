@@ -298,6 +298,11 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 LLAVA_IMAGE_SIZE = 56
+#: LLaVA-OneVision's: LLaVA-1.5's format with ``<video>`` for a video part.
+LLAVA_ONEVISION_TEMPLATE = LLAVA_TEMPLATE.replace(
+    "<image>\n{% elif",
+    "<image>\n{% elif part['type'] == 'video' or part['type'] == 'video_url' %}<video>\n{% elif",
+)
 
 
 def write_llava(
@@ -362,14 +367,21 @@ def _write_llava_like(
     text_class: type = LlamaConfig,
     vision_config: Any = None,
     make_processor: Callable[[Any, Any], Any] | None = None,
+    video: bool = False,
 ) -> Path:
     """``vision_config`` defaults to a CLIP tower of ``vision``; ``make_processor``
-    (image processor, tokenizer) -> processor, to :func:`llava_processor`."""
+    (image processor, tokenizer) -> processor, to :func:`llava_processor`; ``video``:
+    a ``<video>`` token (the config's ``video_token_id``) and a template with video
+    parts."""
     tok = tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tok.chat_template = LLAVA_TEMPLATE
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<image>", "<video>"] if video else ["<image>"]}
+    )
+    tok.chat_template = LLAVA_ONEVISION_TEMPLATE if video else LLAVA_TEMPLATE
     ids = special_ids(tok)
     image_id = tok.convert_tokens_to_ids("<image>")
+    if video:
+        extra = {**extra, "video_token_id": tok.convert_tokens_to_ids("<video>")}
     vocab = builtin._round_up(len(tok), 64)
     text_config = text_class(
         vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -462,9 +474,23 @@ def write_llava_onevision(
 ) -> Path:
     """A LLaVA-OneVision checkpoint: a Qwen2 decoder (q/k/v biases), a SigLIP tower
     (no CLS, all its tokens kept: the ``full`` strategy) on tiles of 56 px (4x4
-    features), anyres over 1 to 6 tiles a side with ``anyres_max_9`` pooling."""
+    features), anyres over 1 to 6 tiles a side with ``anyres_max_9`` pooling; a
+    ``<video>`` token and a ``LlavaOnevisionVideoProcessor`` config (frames resized
+    to one tile)."""
     vision_config = SiglipVisionConfig(
         image_size=image_size, patch_size=14, vision_use_head=False, **vision
+    )
+    video_config = {
+        "video_processor_type": "LlavaOnevisionVideoProcessor",
+        "size": {"height": image_size, "width": image_size},
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "rescale_factor": 1 / 255,
+        "resample": 3,
+        "do_sample_frames": False,
+    }
+    (directory / "video_preprocessor_config.json").write_text(
+        json.dumps(video_config), encoding="utf-8"
     )
     return _write_llava_like(
         directory,
@@ -484,6 +510,7 @@ def write_llava_onevision(
         text_class=Qwen2Config,
         vision_config=vision_config,
         make_processor=functools.partial(llava_onevision_processor, tokens=(image_size // 14) ** 2),
+        video=True,
     )
 
 
@@ -508,8 +535,9 @@ def llava_onevision_processor(image_processor: Any, tok: Any, *, tokens: int) ->
         tokenizer=tok,
         num_image_tokens=tokens,
         vision_feature_select_strategy="full",
-        chat_template=LLAVA_TEMPLATE,
+        chat_template=LLAVA_ONEVISION_TEMPLATE,
         image_token="<image>",
+        video_token="<video>",
         vision_aspect_ratio="anyres_max_9",
     )
 

@@ -113,7 +113,7 @@ def test_placeholder_count_equals_the_processor_for_any_size(
     # One of several: one tile and its newline, whatever the size.
     assert image_tokens(config, (ONE_OF_SEVERAL, height, width)) == N * N + 1
     with pytest.raises(InputError, match="starts with"):
-        image_tokens(config, (3, height, width))
+        image_tokens(config, (4, height, width))
 
 
 def test_same_picture_alone_and_among_several_are_different_items(ours, hf):
@@ -149,7 +149,7 @@ def test_a_reference_must_carry_the_mode_of_its_prompt(ours):
         ours.process_chat(user(1), [Media(png, "ab")], mm_processor_kwargs={"max_pixels": 9})
     ids = ours.process_chat(user(1), [Media(png, "ab")]).prompt_token_ids
     features = {"mm_hashes": ["ab"], "mm_placeholders": [{"offset": 2, "length": 17}],
-                "mm_grid_thw": [[3, 42, 70]]}  # fmt: skip
+                "mm_grid_thw": [[4, 42, 70]]}  # fmt: skip
     with pytest.raises(InputError, match="starts with"):
         ours.process_generate(ids, features)
 

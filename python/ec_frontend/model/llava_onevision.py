@@ -24,6 +24,14 @@ The proxy sends an encoder such an item twice in one chat (the same ``uuid``, on
 encoding), so the encoder picks the mode prefill and decode will pick, and
 prefill and decode check the mode an ``image_embeds`` reference's grid carries
 against their prompt.
+
+A **video** (``video_processor.LlavaOnevisionVideoRule``) is one item of grid
+``(3, frames, 1)``: each frame resized to one tile goes through the tower and the
+projector alone, its ``n * n`` features are pooled bilinearly to ``ceil(n / 2)``
+a side (transformers' ``apply_pooling``), the frames' features follow each other,
+and one ``image_newline`` closes the video: ``frames * ceil(n / 2)**2 + 1``
+``<video>`` tokens. Its encoding does not depend on the prompt, so it keeps the
+video's own ``mm_hash``.
 """
 
 from __future__ import annotations
@@ -42,10 +50,11 @@ from ec_frontend.model.llava_next import FAMILY as LLAVA_NEXT
 from ec_frontend.model.llava_next import LlavaNextVisionTower, unpadded_feature_map
 from ec_frontend.model.media import decode_image
 from ec_frontend.model.native_preprocess import DeferredImage, count_preprocessed
-from ec_frontend.model.processor import InputProcessor, MediaLike
+from ec_frontend.model.processor import InputProcessor, MediaLike, MultiModalFeature
 from ec_frontend.model.qwen2_text import TextModelConfig, decoder_config
 from ec_frontend.model.qwen2_vl import Qwen2VLModel
 from ec_frontend.model.registry import ModelFamily, PositionSpec
+from ec_frontend.model.video_processor import ONEVISION_VIDEO
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -54,6 +63,8 @@ if TYPE_CHECKING:
 ALONE = 1
 #: The grid's first entry of an image that is one of several in its prompt (one tile).
 ONE_OF_SEVERAL = 2
+#: The grid's first entry of a video (``(VIDEO, frames, 1)``).
+VIDEO = ONEVISION_VIDEO
 
 
 def several_images_hash(mm_hash: str) -> str:
@@ -83,15 +94,19 @@ def _pooled(rows: int, cols: int, n: int, most: int) -> tuple[int, int]:
 
 def image_tokens(config: PretrainedConfig, grid_thw: tuple[int, int, int]) -> int:
     """Placeholder tokens (= encoder output rows) of an image of grid ``(mode, height,
-    width)``; :class:`InputError` for a mode that is neither."""
+    width)`` or of a video of grid ``(VIDEO, frames, 1)``; :class:`InputError` for a
+    mode that is none of them."""
     mode, height, width = grid_thw
     n = int(config.vision_config.image_size) // int(config.vision_config.patch_size)
     if mode == ONE_OF_SEVERAL:
         return n * n + 1
+    if mode == VIDEO:
+        return height * math.ceil(n / 2) ** 2 + 1
     if mode != ALONE:
         raise InputError(
             f"grid {list(grid_thw)}: a LLaVA-OneVision image grid starts with {ALONE} (an "
-            f"image alone in its prompt) or {ONE_OF_SEVERAL} (one of several)",
+            f"image alone in its prompt) or {ONE_OF_SEVERAL} (one of several), a video "
+            f"grid with {VIDEO}",
             code="invalid_features",
         )
     rows, cols = _pooled(*unpadded_feature_map(config, height, width), n, max_tiles(config))
@@ -123,9 +138,10 @@ def qwen2_text_config(config: PretrainedConfig) -> TextModelConfig:
 
 class LlavaOnevisionVisionTower(LlavaNextVisionTower):
     """SigLIP + projector per tile (all tokens: the ``full`` strategy), then per image
-    the anyres layout with the ``anyres_max`` shrink, or one tile and one newline.
-    ``forward(tiles, sizes, tiles per image, modes)`` gives one ``[tokens, hidden]``
-    tensor per image."""
+    the anyres layout with the ``anyres_max`` shrink, or one tile and one newline;
+    per video each frame's features pooled 2x2 bilinearly, then one newline.
+    ``forward(tiles, sizes, tiles per item, modes)`` gives one ``[tokens, hidden]``
+    tensor per item (a video's tiles are its frames)."""
 
     def __init__(self, config: Any) -> None:
         if config.vision_feature_select_strategy != "full":
@@ -151,9 +167,22 @@ class LlavaOnevisionVisionTower(LlavaNextVisionTower):
         for f, size, mode in zip(torch.split(features, tiles), sizes, modes, strict=True):
             if mode == ONE_OF_SEVERAL:
                 out.append(torch.cat((f[0], self.image_newline[None].to(f.dtype))))
+            elif mode == VIDEO:
+                frames = self._pool_frames(f).flatten(0, 1)
+                out.append(torch.cat((frames, self.image_newline[None].to(f.dtype))))
             else:
                 out.append(self._pack(f, size))
         return out
+
+    def _pool_frames(self, features: torch.Tensor) -> torch.Tensor:
+        """``[frames, n * n, dim]`` -> ``[frames, ceil(n / 2)**2, dim]``: each frame's
+        feature map halved (rounded up) bilinearly, as transformers' ``apply_pooling``."""
+        frames, _, dim = features.shape
+        n = self.tokens_per_side
+        maps = features.view(frames, n, n, dim).permute(0, 3, 1, 2)
+        half = math.ceil(n / 2)
+        pooled = nn.functional.interpolate(maps, size=[half, half], mode="bilinear")
+        return pooled.permute(0, 2, 3, 1).reshape(frames, half * half, dim)
 
     def _pool(self, grid: torch.Tensor) -> torch.Tensor:
         _, rows, cols = grid.shape
@@ -164,7 +193,8 @@ class LlavaOnevisionVisionTower(LlavaNextVisionTower):
 
 
 class LlavaOnevisionModel(Qwen2VLModel):
-    """A loaded LLaVA-OneVision checkpoint; image grids are ``(mode, height, width)``."""
+    """A loaded LLaVA-OneVision checkpoint; image grids are ``(mode, height, width)``,
+    video grids ``(VIDEO, frames, 1)``."""
 
     @torch.no_grad()
     def encode_images(
@@ -175,11 +205,14 @@ class LlavaOnevisionModel(Qwen2VLModel):
         if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or bool((grid <= 0).any()):
             raise ValueError(f"image_grid_thw must be [num_images, 3] of positive ints, got {grid}")
         modes = [int(m) for m in grid[:, 0]]
-        if any(m not in (ALONE, ONE_OF_SEVERAL) for m in modes):
-            raise ValueError(f"image grids start with {ALONE} or {ONE_OF_SEVERAL}, got {grid}")
+        if any(m not in (ALONE, ONE_OF_SEVERAL, VIDEO) for m in modes):
+            raise ValueError(
+                f"grids start with {ALONE} or {ONE_OF_SEVERAL} (images) or {VIDEO} (videos), "
+                f"got {grid}"
+            )
         sizes = [(int(h), int(w)) for _, h, w in grid.tolist()]
         tiles = [
-            1 if mode == ONE_OF_SEVERAL else vision.num_tiles(h, w)
+            1 if mode == ONE_OF_SEVERAL else h if mode == VIDEO else vision.num_tiles(h, w)
             for mode, (h, w) in zip(modes, sizes, strict=True)
         ]
         if pixel_values.ndim != 4 or pixel_values.shape[0] != sum(tiles):
@@ -198,7 +231,9 @@ class LlavaOnevisionInputProcessor(InputProcessor):
     prompt goes through the image processor alone (anyres tiles, the item's own
     ``mm_hash``); the images of a prompt with several go through it together (one
     square tile each, as ``transformers`` processes a sample's images) and get the
-    mode's item key (:func:`several_images_hash`)."""
+    mode's item key (:func:`several_images_hash`). A video is one item of its frames
+    (``video_processor.LlavaOnevisionVideoRule``) with ``frames * ceil(n / 2)**2 + 1``
+    ``<video>`` tokens; images beside it keep their mode (a video is not an image)."""
 
     def _processor_size(self, kwargs: Any) -> dict[str, int] | None:
         if kwargs:
@@ -215,6 +250,24 @@ class LlavaOnevisionInputProcessor(InputProcessor):
         if len(order) < 2:
             return super()._images(media, order, size)
         return self._several(media, order)
+
+    def _place_video(
+        self,
+        video: Any,
+        token: int,
+        out_ids: list[int],
+        features: list[MultiModalFeature],
+        time_intervals: dict[int, float],
+    ) -> None:
+        length = self.image_tokens(video.grid)
+        feature = MultiModalFeature(
+            video.mm_hash, len(out_ids), length, video.grid, video.pixels, modality="video"
+        )
+        # No grid is published for it: references to this family's videos are refused
+        # (``LlavaOnevisionVideoRule.reference_problem``), so proxies send the video.
+        feature.sized_by_grid = False
+        features.append(feature)
+        out_ids.extend([token] * length)
 
     def _reference_grid(
         self, grid: Sequence[int], index: int, size: dict[str, int] | None
@@ -303,4 +356,5 @@ FAMILY = ModelFamily(
     merge_size=lambda config: 1,
     image_tokens=image_tokens,
     input_processor="ec_frontend.model.llava_onevision:LlavaOnevisionInputProcessor",
+    video_rule="ec_frontend.model.video_processor:LlavaOnevisionVideoRule",
 )

@@ -1,5 +1,6 @@
 """Sampled video frames -> ``pixel_values_videos`` and ``video_grid_thw`` by the
-Qwen2-VL video rule, equal to transformers' ``Qwen2VLVideoProcessor``.
+family's video rule, equal to transformers' video processor (``Qwen2VLVideoProcessor``
+and its successors, ``LlavaOnevisionVideoProcessor``).
 
 Contract of :class:`QwenVideoRule` (values from the checkpoint's
 ``video_preprocessor_config.json``, else its image processor's, with
@@ -38,6 +39,11 @@ released); :meth:`QwenVideoRule.preprocess_python` is the same rule in Pillow an
 torch, the fallback (``EC_FRONTEND_DISABLE_NATIVE_PREPROCESS``, or a rule the
 native kernels refuse) and the reference the native path is checked against
 (bit-identical, ``tests/media/test_video.py``).
+
+:class:`LlavaOnevisionVideoRule` (LLaVA-OneVision, ``LlavaOnevisionVideoProcessor``)
+is not a Qwen rule: each frame is resized to the vision tower's tile and
+normalized, with no temporal patches; the tower pools each frame's features
+(``model/llava_onevision.py``).
 """
 
 from __future__ import annotations
@@ -365,3 +371,82 @@ def _native_kernels(rule: QwenVideoRule) -> _core.QwenVlPreprocessor | None:
         )
     except ValueError:
         return None
+
+
+#: The first grid entry of a LLaVA-OneVision video item (images use 1 and 2:
+#: ``llava_onevision.ALONE`` and ``ONE_OF_SEVERAL``).
+ONEVISION_VIDEO = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LlavaOnevisionVideoRule:
+    """LLaVA-OneVision (``LlavaOnevisionVideoProcessor``): every frame resized to the
+    vision tower's tile (``size`` height x width, no anyres tiling), rescaled and
+    normalized as transformers fuses it; no temporal patches. The item's grid is
+    ``(ONEVISION_VIDEO, frames, 1)`` and its pixels ``[frames, 3, height, width]``."""
+
+    ABSOLUTE_TIME: ClassVar[bool] = False
+    TIMESTAMPS: ClassVar[bool] = False
+
+    height: int
+    width: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+
+    @classmethod
+    def from_checkpoint(cls, directory: Path, image_processor: Any) -> LlavaOnevisionVideoRule:
+        """The rule of ``directory``'s ``video_preprocessor_config.json`` (its missing
+        keys at ``LlavaOnevisionVideoProcessor``'s defaults: 384x384, CLIP's mean and
+        std); without one, of its image processor's values, as transformers then
+        reads the image processor's config."""
+        path = directory / "video_preprocessor_config.json"
+        if path.is_file():
+            raw: Mapping[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            keys = ("size", "image_mean", "image_std", "rescale_factor")
+            raw = {key: getattr(image_processor, key, None) for key in keys}
+        size = dict(raw.get("size") or {})
+        mean = raw.get("image_mean") or (0.48145466, 0.4578275, 0.40821073)
+        std = raw.get("image_std") or (0.26862954, 0.26130258, 0.27577711)
+        return cls(
+            height=int(size.get("height") or 384),
+            width=int(size.get("width") or 384),
+            image_mean=(float(mean[0]), float(mean[1]), float(mean[2])),
+            image_std=(float(std[0]), float(std[1]), float(std[2])),
+            rescale_factor=float(raw.get("rescale_factor") or 1 / 255),
+        )
+
+    def reference_problem(
+        self,
+        grid: tuple[int, int, int],
+        *,
+        size: Mapping[str, int] | None = None,
+        max_frames: int,
+    ) -> str | None:
+        """Always a problem: this family's encoders publish no video grid, so a
+        ``video_embeds`` reference cannot be placed (a 400, not a guess)."""
+        return "LLaVA-OneVision takes videos, not video_embeds references"
+
+    def preprocess(
+        self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
+    ) -> tuple[tuple[int, int, int], torch.Tensor]:
+        """``(grid, pixel_values [frames, 3, height, width] float32)`` of ``frames``
+        (``[n, H, W, 3]`` uint8 RGB); ``size`` is unused (the tile is fixed)."""
+        count, height, width, _ = frames.shape
+        if (height, width) != (self.height, self.width):
+            frames = np.stack(
+                [
+                    np.asarray(
+                        Image.fromarray(f).resize(
+                            (self.width, self.height), Image.Resampling.BICUBIC
+                        )
+                    )
+                    for f in frames
+                ]
+            )
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+        std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+        video = video.to(torch.float32).sub_(mean[:, None, None]).div_(std[:, None, None])
+        return (ONEVISION_VIDEO, count, 1), video.contiguous()
