@@ -168,11 +168,12 @@ class QwenVideoRule:
         """Why a video grid reported by another instance (a ``video_embeds`` reference)
         cannot come from this rule (``None``: it can): at most ``max_frames`` frames in
         temporal patches, sides that are multiples of the merge size, and at most the
-        rule's ``max_pixels`` (or ``size``'s) per frame."""
+        rule's ``max_pixels`` (or ``size``'s) per frame. (Absolute time, Qwen2.5-VL's,
+        comes beside the grid as ``second_per_grid_ts``; the processor checks it.)"""
         t, h, w = grid
-        if self.ABSOLUTE_TIME or self.TIMESTAMPS:
+        if self.TIMESTAMPS:
             return (
-                "this model's video positions need the video's frame times, which a "
+                "this model's video positions need the video's frame timestamps, which a "
                 "video_embeds reference does not carry"
             )
         high = self.max_pixels if size is None else int(size.get("longest_edge", self.max_pixels))
