@@ -7,9 +7,12 @@ video processor gets the frames our decoder sampled: our processor must give its
 ids (``frames * 2 * 2 + 1`` ``<video>`` tokens: each frame's 4x4 features pooled to
 2x2, one ``image_newline`` after the video), its pixels (exactly: the clip's
 frames are one tile, so neither side resamples), our encoder the rows of
-``get_video_features``, and a server the greedy tokens of ``generate``. The image
-beside a video stays an image alone in its prompt (anyres tiles), as
-``transformers`` and vLLM 0.33 have it.
+``get_video_features``, and a server the greedy tokens of ``generate``:
+aggregated, and through E+PD and E+P+D behind ``ec-frontend proxy``, where
+prefill / decode place a ``video_embeds`` reference from the grid the encoder
+published (``[frames, 56, 56]``) and decode no video. The image beside a video
+stays an image alone in its prompt (anyres tiles), as ``transformers`` and vLLM
+0.33 have it.
 """
 
 from __future__ import annotations
