@@ -35,7 +35,7 @@ from ..disagg.conftest import (
     side_channel_ec,
     side_channel_kv,
 )
-from ..families.conftest import write_qwen2_5_vl
+from ..families.conftest import write_llava_onevision, write_qwen2_5_vl
 from ..families.video_flows import write_qwen2_video_config
 from ..helpers.processes import start_all
 from ..helpers.video import make_clip
@@ -305,6 +305,27 @@ def qwen2_5(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]
             proc.stop()
 
 
+@pytest.fixture(scope="module")
+def onevision(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """LLaVA-OneVision (the family's tiny checkpoint): E+PD over the side channels
+    behind vLLM's proxy."""
+    m = write_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
+    procs = {
+        "e": serve(m, "ov_e", ec=side_channel_ec("ec_producer")),
+        "pd": serve(m, "ov_pd", ec=side_channel_ec("ec_consumer")),
+    }
+    # The proxy's start (vLLM's imports) overlaps the instances'.
+    front = vllm_proxy(vllm_python, procs["e"].url, procs["pd"].url)
+    try:
+        start_all(list(procs.values()))
+        front.wait_ready()
+        yield {**procs, "proxy": front}
+    finally:
+        front.stop()
+        for proc in procs.values():
+            proc.stop()
+
+
 @pytest.mark.parametrize("prompt", list(VIDEO_PROMPTS))
 def test_qwen2_5_vl_video_through_vllms_proxy_carries_its_frame_times(
     qwen2_5: dict[str, Any], prompt: str
@@ -325,3 +346,25 @@ def test_qwen2_5_vl_video_through_vllms_proxy_carries_its_frame_times(
     assert {m: pd.metric(m) for m in metrics} == before, pd.log()[-2000:]
     assert got == ask_video(pd.url, prompt), front.log()[-2000:]
     assert pd.metric("videos_decoded_total") == before["videos_decoded_total"] + 1
+
+
+def test_llava_onevision_video_through_vllms_proxy_decoded_only_by_the_encoder(
+    onevision: dict[str, Any],
+) -> None:
+    """A LLaVA-OneVision encoder's ``video_grid_thw`` ([frames, tile height, tile
+    width]) is copied by vLLM's proxy into the ``video_embeds`` reference; the PD
+    instance sizes the placeholder from it, loads the encoder output and decodes no
+    video, computes no encoder item. Its answers are the ones it gives afterwards for
+    the same chats sent to it directly (then it decodes and encodes them itself)."""
+    pd, front = onevision["pd"], onevision["proxy"]
+    got = {prompt: ask_video(front.url, prompt) for prompt in VIDEO_PROMPTS}
+    for count in (1, 2):  # the video; the image and the video
+        assert f"Rewrote {count} media item(s) as metadata references" in front.log()
+    assert onevision["e"].metric("videos_decoded_total") == len(VIDEO_PROMPTS)
+    for metric in ("videos_decoded_total", "encoder_items_computed_total"):
+        assert pd.metric(metric) == 0, (metric, pd.log()[-2000:])
+    assert pd.metric("ec_items_loaded_total") == 3
+    assert pd.metric("ec_load_fallbacks_total") == 0
+    for prompt, answer in got.items():
+        assert answer == ask_video(pd.url, prompt), prompt
+    assert pd.metric("videos_decoded_total") == len(VIDEO_PROMPTS)

@@ -63,7 +63,7 @@ def metadata(feature: MultiModalFeature) -> JSONObject:
     if not getattr(feature, "sized_by_grid", True):
         return {}
     modality = getattr(feature, "modality", IMAGE)
-    out: JSONDict = {f"{modality}_grid_thw": list(feature.image_grid_thw)}
+    out: JSONDict = {f"{modality}_grid_thw": published_grid(feature)}
     seconds = getattr(feature, "second_per_grid_ts", None)
     if seconds is not None:
         out[SECOND_PER_GRID_TS] = [seconds]
@@ -98,3 +98,10 @@ def ec_items_problem(params: object, max_items: int) -> str | None:
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 512):
                 return f"ec_transfer_params.ec_items[{i}].{key} must be a non-empty string"
     return None
+
+
+def published_grid(feature: MultiModalFeature) -> list[int]:
+    """The grid a reference to ``feature`` carries: its ``reference_grid`` where it has
+    one (a LLaVA-OneVision video's ``[frames, height, width]``), else its grid."""
+    grid = getattr(feature, "reference_grid", None) or feature.image_grid_thw
+    return list(grid)

@@ -89,6 +89,10 @@ class MultiModalFeature:
     image_grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None
     deferred: DeferredImage | None = None
+    #: The grid a reference to the item carries where that is not ``image_grid_thw``
+    #: (a LLaVA-OneVision video: ``(frames, height, width)``; its item's grid marks
+    #: the video for the tower).
+    reference_grid: tuple[int, int, int] | None = None
     #: ``"image"`` or ``"video"`` (then ``image_grid_thw`` is the video's grid).
     modality: str = "image"
     #: Whether the grid alone sizes and places the item (a ``*_embeds`` reference),
