@@ -132,6 +132,12 @@ class MediaItem:
         """``(t, h, w)`` of a metadata-only ``video_embeds`` reference (the same protocol;
         keyed by the hash of its ``uuid`` and the request's ``media_io_kwargs.video``, as
         its encoder keyed the video); ``None`` for any other item."""
+    @property
+    def second_per_grid_ts(self) -> float | None:
+        """The seconds one temporal patch spans, as a ``video_embeds`` reference carries
+        it beside its grid (vLLM's ``second_per_grid_ts``: Qwen2.5-VL's absolute time;
+        a finite number in ``(0, 86400]``); ``None`` when the reference has none, and
+        for any other item."""
     def __len__(self) -> int: ...
 
 @final

@@ -7,17 +7,22 @@ video processor gets the frames our decoder sampled: our processor must give its
 ids (``frames * 2 * 2 + 1`` ``<video>`` tokens: each frame's 4x4 features pooled to
 2x2, one ``image_newline`` after the video), its pixels (exactly: the clip's
 frames are one tile, so neither side resamples), our encoder the rows of
-``get_video_features``, and a server the greedy tokens of ``generate``. The image
-beside a video stays an image alone in its prompt (anyres tiles), as
-``transformers`` and vLLM 0.33 have it.
+``get_video_features``, and a server the greedy tokens of ``generate``:
+aggregated, and through E+PD and E+P+D behind ``ec-frontend proxy``, where
+prefill / decode place a ``video_embeds`` reference from the grid the encoder
+published (``[frames, 56, 56]``) and decode no video. The image beside a video
+stays an image alone in its prompt (anyres tiles), as ``transformers`` and vLLM
+0.33 have it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -34,7 +39,18 @@ from transformers.image_utils import PILImageResampling
 from ..helpers.processes import Proc
 from ..helpers.video import frame_rgb, make_clip
 from .conftest import LLAVA_IMAGE_SIZE, image_bytes, write_llava_onevision
-from .video_flows import Case, check_served, process, ref_inputs, video_fixtures
+from .flows import deployment
+from .video_flows import (
+    Case,
+    chat,
+    check_served,
+    hf_generate,
+    process,
+    ref_inputs,
+    template_messages,
+    video_data_url,
+    video_fixtures,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +62,21 @@ CASES: dict[str, Case] = {
     "image+video": (True, None, "Compare the picture with the clip."),
 }
 
-reference, hf_model, ours, server = video_fixtures(
+reference, hf_model, ours, _ = video_fixtures(
     CASES, LlavaOnevisionForConditionalGeneration, "llava_onevision"
 )
+
+
+@pytest.fixture(scope="module")
+def dep(model_dir: Path) -> Iterator[dict[str, Proc]]:
+    """Aggregated, E+PD and E+P+D behind ``ec-frontend proxy`` (``flows.deployment``)."""
+    with deployment(model_dir) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def server(dep: dict[str, Proc]) -> Proc:
+    return dep["agg"]
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +126,40 @@ def test_processor_matches_transformers(
     assert mine.mrope_position_delta == 0
 
 
-def test_no_video_grid_is_published_and_a_reference_is_refused(
+def test_the_published_grid_places_a_reference_as_the_video(
     ours: InputProcessor, clip: bytes, png: bytes
 ) -> None:
-    """An encoder's entry for a LLaVA-OneVision video carries no grid (the proxies then
-    send the video itself), and a ``video_embeds`` reference is a 400, not a 500."""
-    video = process(ours, CASES["video-4"], clip, png).mm_features[-1]
-    entry = item_fields([video])[video.mm_hash]
-    assert (entry["modality"], entry["metadata"]) == ("video", {})
-    ref = SimpleNamespace(mm_hash=video.mm_hash, video_grid_thw=video.image_grid_thw, data=None)
-    content = [{"type": "video", "media_index": 0}, {"type": "text", "text": "x"}]
-    with pytest.raises(InputError) as exc:
-        ours.process_chat([{"role": "user", "content": content}], [ref])
-    assert exc.value.code == "invalid_video_embeds" and "video_embeds" in str(exc.value)
+    """An encoder's entry for a LLaVA-OneVision video carries ``video_grid_thw =
+    [frames, tile height, tile width]``; a ``video_embeds`` reference with it gets the
+    video's prompt and placeholder with nothing decoded; a grid this rule cannot give
+    (another tile, more frames than ``--max-video-frames``) is a 400, not a 500."""
+    for name in CASES:
+        mine = process(ours, CASES[name], clip, png)
+        video = mine.mm_features[-1]
+        frames = video.image_grid_thw[1]
+        entry = item_fields([video])[video.mm_hash]
+        grid = [frames, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE]
+        assert (entry["modality"], entry["metadata"]) == ("video", {"video_grid_thw": grid})
+        media: list[Any] = [
+            SimpleNamespace(mm_hash=f.mm_hash, image_grid_thw=f.image_grid_thw, data=None)
+            for f in mine.mm_features[:-1]
+        ] + [SimpleNamespace(mm_hash=video.mm_hash, video_grid_thw=grid, data=None)]
+        placed = ours.process_chat(template_messages(CASES[name]), media)
+        assert placed.prompt_token_ids == mine.prompt_token_ids
+        got = placed.mm_features[-1]
+        assert (got.offset, got.length, got.image_grid_thw) == (
+            video.offset,
+            frames * PER_FRAME + 1,
+            (VIDEO, frames, 1),
+        )
+        assert got.pixel_values is None
+    most = ours.video_limits.max_frames
+    for bad in ([4, LLAVA_IMAGE_SIZE // 2, LLAVA_IMAGE_SIZE], [most + 1, *grid[1:]]):
+        ref = SimpleNamespace(mm_hash="bb", video_grid_thw=bad, data=None)
+        content = [{"type": "video", "media_index": 0}, {"type": "text", "text": "x"}]
+        with pytest.raises(InputError) as exc:
+            ours.process_chat([{"role": "user", "content": content}], [ref])
+        assert exc.value.code == "invalid_video_embeds" and "video_embeds" in str(exc.value)
 
 
 def test_encoder_matches_get_video_features(
@@ -185,3 +234,56 @@ def test_served_greedy_matches_transformers_generate(
     server: Proc, hf_model: Any, reference: Any, clip: bytes, png: bytes, name: str
 ) -> None:
     check_served(server, hf_model, reference, CASES[name], name, clip, png)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("front", ["E+PD", "E+P+D"])
+def test_served_through_the_proxy_matches_generate_and_only_the_encoder_decodes(
+    dep: dict[str, Proc],
+    hf_model: Any,
+    reference: Any,
+    clip: bytes,
+    png: bytes,
+    front: str,
+    name: str,
+) -> None:
+    """Behind ``ec-frontend proxy`` the encoder decodes and encodes the video and
+    publishes its grid; prefill / decode get a ``video_embeds`` reference, load the
+    encoder output (its rows checked against the placeholder the grid sizes) and give
+    ``generate``'s tokens, decoding no video and computing no encoder item."""
+    e, pd = dep["e"], dep["pd"]
+    downstream = [pd, dep["d"]] if front == "E+P+D" else [pd]
+    items = 2 if CASES[name][0] else 1
+    want = hf_generate(hf_model, reference, name)
+    decoded, computed = e.metric("videos_decoded_total"), e.metric("encoder_items_computed_total")
+    loaded = pd.metric("ec_items_loaded_total")
+    # A salt per topology: every item is new to the encoder and to prefill.
+    r = chat(dep[front], CASES[name], video_data_url(clip), png, cache_salt=front)
+    assert list((r.choices[0].model_extra or {})["token_ids"]) == want
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == reference[f"{name}/input_ids"].shape[1]
+    assert e.metric("videos_decoded_total") == decoded + 1
+    assert e.metric("encoder_items_computed_total") == computed + items
+    assert pd.metric("ec_items_loaded_total") == loaded + items
+    assert pd.metric("ec_load_fallbacks_total") == 0
+    for instance in downstream:
+        for metric in ("videos_decoded_total", "encoder_items_computed_total"):
+            assert instance.metric(metric) == 0, (instance.name, metric)
+
+
+@pytest.mark.parametrize(
+    "grid", [[4, LLAVA_IMAGE_SIZE, 2 * LLAVA_IMAGE_SIZE], [129, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE]]
+)
+def test_a_reference_this_model_cannot_have_published_is_a_400(
+    dep: dict[str, Proc], grid: list[int]
+) -> None:
+    """Another tile size, or more frames than ``--max-video-frames`` (128): a 400
+    ``invalid_video_embeds`` from the consumer, which stays healthy."""
+    pd = dep["pd"]
+    part = {"type": "video_embeds", "video_embeds": {"video_grid_thw": grid}, "uuid": "u"}
+    content = [part, {"type": "text", "text": "x"}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(pd.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_video_embeds", r.text
+    assert httpx.get(pd.url + "/health", timeout=10).status_code == 200

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from ec_frontend.model.errors import InputError
 from ec_frontend.model.processor import InputProcessor
 from transformers import Qwen2VLForConditionalGeneration
 
@@ -34,6 +35,7 @@ from ..helpers.video import make_audio_only, make_clip, make_empty_video, make_p
 from .conftest import image_bytes, write_qwen2_vl
 from .video_flows import (
     Case,
+    VideoReference,
     check_image_and_rope_index,
     check_served,
     hf_generate,
@@ -223,3 +225,24 @@ def test_bad_videos_are_400s_naming_the_part_and_the_server_stays_healthy(
     assert error["code"] == code, error
     assert words in error["message"], error
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_reference_is_placed_from_its_grid_and_frame_times_are_refused(
+    ours: InputProcessor, clip: bytes, png: bytes
+) -> None:
+    """Qwen2-VL's positions take no absolute time: a reference with the grid alone is
+    placed as the decoded video; one that also carries ``second_per_grid_ts`` (a
+    Qwen2.5-VL encoder's metadata) is a 400 ``invalid_video_embeds`` naming it."""
+    decoded = process(ours, CASES["video"], clip, png)
+    video = decoded.mm_features[-1]
+    assert video.second_per_grid_ts is None
+    content = [{"type": "video", "media_index": 0}, {"type": "text", "text": CASES["video"][2]}]
+    messages = [{"role": "user", "content": content}]
+    placed = ours.process_chat(messages, [VideoReference("bb", video.image_grid_thw, None)])
+    assert placed.prompt_token_ids == decoded.prompt_token_ids
+    assert torch.equal(placed.mrope_positions, decoded.mrope_positions)
+    with pytest.raises(InputError) as exc:
+        ours.process_chat(messages, [VideoReference("bb", video.image_grid_thw, 0.5)])
+    assert exc.value.code == "invalid_video_embeds", exc.value
+    assert exc.value.param == "messages[0].content[0].video_embeds.second_per_grid_ts"
+    assert "take no frame times" in str(exc.value)

@@ -55,6 +55,18 @@ class Media:
     kind: str
 
 
+@dataclass(frozen=True, slots=True)
+class VideoReference:
+    """A ``video_embeds`` reference as the processor reads it (the native item's
+    ``video_grid_thw`` and ``second_per_grid_ts``, no bytes)."""
+
+    mm_hash: str
+    video_grid_thw: tuple[int, ...]
+    second_per_grid_ts: float | None
+    data: bytes | None = None
+    param: str = "messages[0].content[0].video_embeds"
+
+
 def write_video_config(directory: Path, **config: Any) -> None:
     """The checkpoint's ``video_preprocessor_config.json`` (transformers' keys)."""
     (directory / "video_preprocessor_config.json").write_text(json.dumps(config), encoding="utf-8")

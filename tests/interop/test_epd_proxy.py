@@ -35,6 +35,8 @@ from ..disagg.conftest import (
     side_channel_ec,
     side_channel_kv,
 )
+from ..families.conftest import write_llava_onevision, write_qwen2_5_vl
+from ..families.video_flows import write_qwen2_video_config
 from ..helpers.processes import start_all
 from ..helpers.video import make_clip
 from .conftest import MODEL_NAME, VllmScript
@@ -170,8 +172,9 @@ def reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
     return {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid}, "uuid": uuid}
 
 
-def video_reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
-    return {"type": "video_embeds", "video_embeds": {"video_grid_thw": grid}, "uuid": uuid}
+def video_reference(grid: Any, uuid: str = "never-encoded", **more: Any) -> dict[str, Any]:
+    return {"type": "video_embeds", "video_embeds": {"video_grid_thw": grid, **more},
+            "uuid": uuid}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -196,6 +199,11 @@ def video_reference(grid: Any, uuid: str = "never-encoded") -> dict[str, Any]:
          "messages[0].content[0].video_embeds"),
         ("pd_ex", embeds_body(video_reference([2, 3, 4])), "invalid_video_embeds"),
         ("pd_ex", embeds_body(video_reference([65, 4, 4])), "invalid_video_embeds"),
+        # Qwen2-VL's positions take no absolute time: a Qwen2.5-VL encoder's field is refused.
+        ("pd_ex", embeds_body(video_reference([2, 4, 4], second_per_grid_ts=[0.5])),
+         "messages[0].content[0].video_embeds.second_per_grid_ts"),
+        ("pd_ex", embeds_body(video_reference([2, 4, 4], second_per_grid_ts=[0])),
+         "messages[0].content[0].video_embeds.second_per_grid_ts[0]"),
         ("pd_sc", embeds_body(video_reference([2, 4, 4])), "ec_item_unavailable"),
         # A well-formed reference whose output no connector can load: that request fails.
         ("pd_ex", embeds_body(reference([1, 4, 4])), "ec_item_unavailable"),
@@ -274,3 +282,89 @@ def test_video_through_both_proxies_token_identical_and_decoded_only_by_the_enco
         assert instance.metric("encoder_items_computed_total") == 0
     assert d.metric("ec_load_fallbacks_total") == 0
     assert dep["agg"].metric("videos_decoded_total") >= 1
+
+
+@pytest.fixture(scope="module")
+def qwen2_5(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """A tiny Qwen2.5-VL (``tokens_per_second`` 2) as an encoder and a PD instance over
+    the side channel, behind vLLM's proxy, unmodified."""
+    m = write_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    write_qwen2_video_config(m)
+    procs = {
+        "e": serve(m, "e25", ec=side_channel_ec("ec_producer")),
+        "pd": serve(m, "pd25", ec=side_channel_ec("ec_consumer")),
+    }
+    start_all(list(procs.values()))
+    front = vllm_proxy(vllm_python, procs["e"].url, procs["pd"].url)
+    try:
+        front.wait_ready()
+        yield {**procs, "proxy": front}
+    finally:
+        front.stop()
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def onevision(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """LLaVA-OneVision (the family's tiny checkpoint): E+PD over the side channels
+    behind vLLM's proxy."""
+    m = write_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
+    procs = {
+        "e": serve(m, "ov_e", ec=side_channel_ec("ec_producer")),
+        "pd": serve(m, "ov_pd", ec=side_channel_ec("ec_consumer")),
+    }
+    # The proxy's start (vLLM's imports) overlaps the instances'.
+    front = vllm_proxy(vllm_python, procs["e"].url, procs["pd"].url)
+    try:
+        start_all(list(procs.values()))
+        front.wait_ready()
+        yield {**procs, "proxy": front}
+    finally:
+        front.stop()
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.mark.parametrize("prompt", list(VIDEO_PROMPTS))
+def test_qwen2_5_vl_video_through_vllms_proxy_carries_its_frame_times(
+    qwen2_5: dict[str, Any], prompt: str
+) -> None:
+    """The encoder reports ``{"video_grid_thw": [t, h, w], "second_per_grid_ts": [s]}``
+    (vLLM's per-item lists); vLLM's proxy copies both into the ``video_embeds``
+    reference, and PD places the video from them (without ``second_per_grid_ts`` it
+    would be a 400), decoding and encoding nothing: its answer is the one PD gives
+    when it is sent the video itself and decodes it (the aggregated path)."""
+    e, pd, front = qwen2_5["e"], qwen2_5["pd"], qwen2_5["proxy"]
+    metrics = ("videos_decoded_total", "encoder_items_computed_total", "ec_load_fallbacks_total")
+    before = {m: pd.metric(m) for m in metrics}
+    decoded = e.metric("videos_decoded_total")
+    got = ask_video(front.url, prompt)
+    rewrote = f"Rewrote {len(VIDEO_PROMPTS[prompt][0])} media item(s) as metadata references"
+    assert rewrote in front.log()
+    assert e.metric("videos_decoded_total") == decoded + 1
+    assert {m: pd.metric(m) for m in metrics} == before, pd.log()[-2000:]
+    assert got == ask_video(pd.url, prompt), front.log()[-2000:]
+    assert pd.metric("videos_decoded_total") == before["videos_decoded_total"] + 1
+
+
+def test_llava_onevision_video_through_vllms_proxy_decoded_only_by_the_encoder(
+    onevision: dict[str, Any],
+) -> None:
+    """A LLaVA-OneVision encoder's ``video_grid_thw`` ([frames, tile height, tile
+    width]) is copied by vLLM's proxy into the ``video_embeds`` reference; the PD
+    instance sizes the placeholder from it, loads the encoder output and decodes no
+    video, computes no encoder item. Its answers are the ones it gives afterwards for
+    the same chats sent to it directly (then it decodes and encodes them itself)."""
+    pd, front = onevision["pd"], onevision["proxy"]
+    got = {prompt: ask_video(front.url, prompt) for prompt in VIDEO_PROMPTS}
+    for count in (1, 2):  # the video; the image and the video
+        assert f"Rewrote {count} media item(s) as metadata references" in front.log()
+    assert onevision["e"].metric("videos_decoded_total") == len(VIDEO_PROMPTS)
+    for metric in ("videos_decoded_total", "encoder_items_computed_total"):
+        assert pd.metric(metric) == 0, (metric, pd.log()[-2000:])
+    assert pd.metric("ec_items_loaded_total") == 3
+    assert pd.metric("ec_load_fallbacks_total") == 0
+    for prompt, answer in got.items():
+        assert answer == ask_video(pd.url, prompt), prompt
+    assert pd.metric("videos_decoded_total") == len(VIDEO_PROMPTS)

@@ -10,12 +10,15 @@ features (in prompt order, images and videos together; a repeated item lists
 each position) and ``metadata`` what the consumer needs to size the item's
 placeholder without the media: for Qwen2-VL images, the ``image_grid_thw`` the
 processor produced; for its videos (``"modality": "video"``), the
-``video_grid_thw`` (empty for a video whose placement needs more than its grid,
-Qwen2.5-VL's frame times: both proxies then send the video itself, and the
-consumer still loads its encoder output). vLLM's EPD proxy turns them into metadata-only
-``image_embeds`` / ``video_embeds`` references for the prefill/decode instance.
-ec-frontend's producers add these fields next to their own transfer fields
-(before signing, so a signature covers them).
+``video_grid_thw``, and for a Qwen2.5-VL video also ``second_per_grid_ts`` (the
+seconds per temporal patch, as vLLM's per-item list of one number:
+``{"video_grid_thw": [t, h, w], "second_per_grid_ts": [0.75]}``). It is empty for
+an item whose placement needs more than that (Qwen3-VL's timestamps,
+LLaVA-OneVision's videos): both proxies then send the item itself, and the
+consumer still loads its encoder output. vLLM's EPD proxy turns them into
+metadata-only ``image_embeds`` / ``video_embeds`` references for the
+prefill/decode instance. ec-frontend's producers add these fields next to their
+own transfer fields (before signing, so a signature covers them).
 """
 
 from __future__ import annotations
@@ -23,34 +26,48 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ec_frontend.types import JSONObject
+from ec_frontend.types import JSONDict, JSONObject
 
 if TYPE_CHECKING:
     from ec_frontend.model.processor import MultiModalFeature
 
 IMAGE = "image"
+#: The metadata key of a video's seconds per temporal patch (vLLM's name).
+SECOND_PER_GRID_TS = "second_per_grid_ts"
 
 
 def item_fields(features: Sequence[MultiModalFeature]) -> dict[str, JSONObject]:
     """``{mm_hash: {"modality", "item_indices", "metadata"}}`` for ``features``; a
-    video's metadata is its ``video_grid_thw``."""
+    video's metadata is its ``video_grid_thw`` (and its ``second_per_grid_ts``)."""
     items: dict[str, JSONObject] = {}
     indices: dict[str, list[int]] = {}
     for index, feature in enumerate(features):
         known = indices.get(feature.mm_hash)
         if known is None:
             indices[feature.mm_hash] = known = [index]
-            modality = getattr(feature, "modality", IMAGE)
             items[feature.mm_hash] = {
-                "modality": modality,
+                "modality": getattr(feature, "modality", IMAGE),
                 "item_indices": known,
-                "metadata": {f"{modality}_grid_thw": list(feature.image_grid_thw)}
-                if getattr(feature, "sized_by_grid", True)
-                else {},
+                "metadata": metadata(feature),
             }
         else:
             known.append(index)
     return items
+
+
+def metadata(feature: MultiModalFeature) -> JSONObject:
+    """What sizes and places ``feature`` without its media (empty when that is more
+    than a reference carries): its grid under ``<modality>_grid_thw``, and a video's
+    ``second_per_grid_ts`` as a list of one number, the shape of vLLM's per-item
+    metadata (its EPD proxy copies every value as a list)."""
+    if not getattr(feature, "sized_by_grid", True):
+        return {}
+    modality = getattr(feature, "modality", IMAGE)
+    out: JSONDict = {f"{modality}_grid_thw": published_grid(feature)}
+    seconds = getattr(feature, "second_per_grid_ts", None)
+    if seconds is not None:
+        out[SECOND_PER_GRID_TS] = [seconds]
+    return out
 
 
 def ec_items_problem(params: object, max_items: int) -> str | None:
@@ -81,3 +98,10 @@ def ec_items_problem(params: object, max_items: int) -> str | None:
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 512):
                 return f"ec_transfer_params.ec_items[{i}].{key} must be a non-empty string"
     return None
+
+
+def published_grid(feature: MultiModalFeature) -> list[int]:
+    """The grid a reference to ``feature`` carries: its ``reference_grid`` where it has
+    one (a LLaVA-OneVision video's ``[frames, height, width]``), else its grid."""
+    grid = getattr(feature, "reference_grid", None) or feature.image_grid_thw
+    return list(grid)

@@ -31,7 +31,9 @@ projector alone, its ``n * n`` features are pooled bilinearly to ``ceil(n / 2)``
 a side (transformers' ``apply_pooling``), the frames' features follow each other,
 and one ``image_newline`` closes the video: ``frames * ceil(n / 2)**2 + 1``
 ``<video>`` tokens. Its encoding does not depend on the prompt, so it keeps the
-video's own ``mm_hash``.
+video's own ``mm_hash``. Its encoder publishes ``video_grid_thw = (frames, height,
+width)`` (the tile in pixels), from which prefill and decode size a ``video_embeds``
+reference's placeholder without the video.
 """
 
 from __future__ import annotations
@@ -263,11 +265,19 @@ class LlavaOnevisionInputProcessor(InputProcessor):
         feature = MultiModalFeature(
             video.mm_hash, len(out_ids), length, video.grid, video.pixels, modality="video"
         )
-        # No grid is published for it: references to this family's videos are refused
-        # (``LlavaOnevisionVideoRule.reference_problem``), so proxies send the video.
-        feature.sized_by_grid = False
+        feature.reference_grid = self.video_rule.reference_grid(video.grid[1])
         features.append(feature)
         out_ids.extend([token] * length)
+
+    def _reference_video_grid(
+        self, grid: Sequence[int], index: int, size: dict[str, int] | None
+    ) -> tuple[int, int, int]:
+        """A ``video_embeds`` reference's ``(frames, height, width)`` (checked by the
+        video rule: at most ``--max-video-frames`` frames of this model's tile) as the
+        item's grid ``(VIDEO, frames, 1)``, which sizes its placeholder."""
+        checked = super()._reference_video_grid(grid, index, size)
+        item: tuple[int, int, int] = self.video_rule.item_grid(checked)
+        return item
 
     def _reference_grid(
         self, grid: Sequence[int], index: int, size: dict[str, int] | None

@@ -89,10 +89,18 @@ class MultiModalFeature:
     image_grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None
     deferred: DeferredImage | None = None
+    #: The grid a reference to the item carries where that is not ``image_grid_thw``
+    #: (a LLaVA-OneVision video: ``(frames, height, width)``; its item's grid marks
+    #: the video for the tower).
+    reference_grid: tuple[int, int, int] | None = None
     #: ``"image"`` or ``"video"`` (then ``image_grid_thw`` is the video's grid).
     modality: str = "image"
-    #: Whether the grid alone sizes and places the item (a ``*_embeds`` reference).
+    #: Whether the grid alone sizes and places the item (a ``*_embeds`` reference),
+    #: with :attr:`second_per_grid_ts` where the item has it.
     sized_by_grid: bool = True
+    #: A video's seconds per temporal patch, where its M-RoPE positions use absolute
+    #: time (Qwen2.5-VL); a reference to it carries this beside its grid.
+    second_per_grid_ts: float | None = None
 
 
 @dataclass(slots=True)
@@ -475,7 +483,10 @@ class InputProcessor:
         reference = getattr(item, "video_grid_thw", None)
         if reference is not None:
             grid = self._reference_video_grid(reference, index, size)
-            return _Video(item.mm_hash, grid, None, [], 0, 0.0)
+            seconds = self._reference_seconds(
+                getattr(item, "second_per_grid_ts", None), index, param
+            )
+            return _Video(item.mm_hash, grid, None, [], 0, 0.0, seconds)
         try:
             decoded = decode_video(
                 item.data, index=index, sampling=sampling, limits=self.video_limits
@@ -484,9 +495,46 @@ class InputProcessor:
         except InputError as exc:
             exc.param = param
             raise
+        seconds = None
+        if self.video_rule.ABSOLUTE_TIME:
+            seconds = self.video_rule.second_per_grid_t(
+                len(decoded.indices), decoded.total_frames, decoded.fps
+            )
         return _Video(
-            item.mm_hash, grid, pixels, decoded.indices, decoded.total_frames, decoded.fps
+            item.mm_hash, grid, pixels, decoded.indices, decoded.total_frames, decoded.fps, seconds
         )
+
+    def _reference_seconds(
+        self, seconds: float | None, index: int, param: str | None
+    ) -> float | None:
+        """The ``second_per_grid_ts`` of a ``video_embeds`` reference, as this model's
+        rule needs it: required where positions use absolute time (Qwen2.5-VL, at most
+        what a video within ``--max-video-duration`` gives: one sampled frame per
+        temporal patch), refused where they do not (Qwen2-VL). 400
+        ``invalid_video_embeds`` naming the field otherwise."""
+        rule = self.video_rule
+        field = "video_embeds.second_per_grid_ts"
+        at = None if param is None else f"{param}.second_per_grid_ts"
+        problem = None
+        if not rule.ABSOLUTE_TIME:
+            if seconds is not None:
+                problem = f"{field} is given, but this model's video positions take no frame times"
+        elif seconds is None:
+            problem = (
+                f"{field} is missing: this model places a video by its frame times, so a "
+                "reference needs the seconds per temporal patch its encoder reported beside "
+                "video_grid_thw"
+            )
+        else:
+            most = rule.temporal_patch_size * self.video_limits.max_duration_s
+            if seconds > most:
+                problem = (
+                    f"{field} {seconds} is over {most} seconds, the most a video within "
+                    "--max-video-duration gives"
+                )
+        if problem is not None:
+            raise InputError(f"video {index}: {problem}", code="invalid_video_embeds", param=at)
+        return seconds
 
     def _place_video(
         self,
@@ -505,16 +553,14 @@ class InputProcessor:
         rule, merge = self.video_rule, self.spatial_merge_size
         t, h, w = video.grid
         if not rule.TIMESTAMPS:
-            if rule.ABSOLUTE_TIME:
-                seconds = rule.second_per_grid_t(len(video.indices), video.total, video.fps)
-                scale = np.float32(self.positions.time_interval) * np.float32(seconds)
+            if video.seconds is not None:
+                scale = np.float32(self.positions.time_interval) * np.float32(video.seconds)
                 time_intervals[len(out_ids)] = float(scale)
             length = t * h * w // merge**2
             feature = MultiModalFeature(
                 video.mm_hash, len(out_ids), length, video.grid, video.pixels, modality="video"
             )
-            # A reference cannot carry Qwen2.5-VL's frame times: no grid is published.
-            feature.sized_by_grid = not rule.ABSOLUTE_TIME
+            feature.second_per_grid_ts = video.seconds
             features.append(feature)
             out_ids.extend([token] * length)
             return
@@ -631,7 +677,8 @@ def _fitting_reference(
 @dataclass(frozen=True, slots=True)
 class _Video:
     """A preprocessed video and the sampling it came from (indices into the video's
-    ``total`` frames at ``fps``)."""
+    ``total`` frames at ``fps``), and its seconds per temporal patch where the rule
+    places it by absolute time (computed from the sampling, or a reference's)."""
 
     mm_hash: str
     grid: tuple[int, int, int]
@@ -639,6 +686,7 @@ class _Video:
     indices: list[int]
     total: int
     fps: float
+    seconds: float | None = None
 
 
 def video_patch_hash(mm_hash: str, patch: int) -> str:

@@ -168,11 +168,12 @@ class QwenVideoRule:
         """Why a video grid reported by another instance (a ``video_embeds`` reference)
         cannot come from this rule (``None``: it can): at most ``max_frames`` frames in
         temporal patches, sides that are multiples of the merge size, and at most the
-        rule's ``max_pixels`` (or ``size``'s) per frame."""
+        rule's ``max_pixels`` (or ``size``'s) per frame. (Absolute time, Qwen2.5-VL's,
+        comes beside the grid as ``second_per_grid_ts``; the processor checks it.)"""
         t, h, w = grid
-        if self.ABSOLUTE_TIME or self.TIMESTAMPS:
+        if self.TIMESTAMPS:
             return (
-                "this model's video positions need the video's frame times, which a "
+                "this model's video positions need the video's frame timestamps, which a "
                 "video_embeds reference does not carry"
             )
         high = self.max_pixels if size is None else int(size.get("longest_edge", self.max_pixels))
@@ -383,7 +384,8 @@ class LlavaOnevisionVideoRule:
     """LLaVA-OneVision (``LlavaOnevisionVideoProcessor``): every frame resized to the
     vision tower's tile (``size`` height x width, no anyres tiling), rescaled and
     normalized as transformers fuses it; no temporal patches. The item's grid is
-    ``(ONEVISION_VIDEO, frames, 1)`` and its pixels ``[frames, 3, height, width]``."""
+    ``(ONEVISION_VIDEO, frames, 1)`` and its pixels ``[frames, 3, height, width]``; a
+    reference to it carries ``(frames, height, width)`` (:meth:`reference_grid`)."""
 
     ABSOLUTE_TIME: ClassVar[bool] = False
     TIMESTAMPS: ClassVar[bool] = False
@@ -417,6 +419,13 @@ class LlavaOnevisionVideoRule:
             rescale_factor=float(raw.get("rescale_factor") or 1 / 255),
         )
 
+    def reference_grid(self, frames: int) -> tuple[int, int, int]:
+        """The ``video_grid_thw`` an encoder publishes for a video of ``frames`` sampled
+        frames: ``(frames, height, width)``, the tile every frame was resized to, in
+        pixels (as this family's image grids give pixel sizes). Its placeholder,
+        ``frames * ceil(n / 2)**2 + 1`` tokens, follows from it."""
+        return frames, self.height, self.width
+
     def reference_problem(
         self,
         grid: tuple[int, int, int],
@@ -424,9 +433,23 @@ class LlavaOnevisionVideoRule:
         size: Mapping[str, int] | None = None,
         max_frames: int,
     ) -> str | None:
-        """Always a problem: this family's encoders publish no video grid, so a
-        ``video_embeds`` reference cannot be placed (a 400, not a guess)."""
-        return "LLaVA-OneVision takes videos, not video_embeds references"
+        """Why a ``video_embeds`` grid cannot be one :meth:`reference_grid` gives
+        (``None``: it can): at most ``max_frames`` frames, at this rule's tile size
+        (``size`` is unused: the tile is fixed)."""
+        frames, height, width = grid
+        if frames > max_frames:
+            return f"{frames} frames is over --max-video-frames {max_frames}"
+        if (height, width) != (self.height, self.width):
+            return (
+                f"h and w must be this model's video tile, {self.height}x{self.width} "
+                f"pixels (every frame is resized to it), got {height}x{width}"
+            )
+        return None
+
+    def item_grid(self, reference: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The encoder item's grid, ``(ONEVISION_VIDEO, frames, 1)``, of a
+        :meth:`reference_grid`."""
+        return ONEVISION_VIDEO, reference[0], 1
 
     def preprocess(
         self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None

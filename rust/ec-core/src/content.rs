@@ -1,13 +1,15 @@
 //! Chat `messages` and responses `input` -> [`Message`]s with media collected.
 
 use crate::error::{RequestError, Result};
-use crate::fields::{array, integer_in, missing, object, present, string, type_error, value_error};
+use crate::fields::{
+    array, integer_in, missing, object, present, range_error, string, type_error, value_error,
+};
 use crate::limits::Limits;
 use crate::media::MediaKind;
 use crate::media_items::MediaCollector;
 use crate::path::Path;
 use crate::request::{Message, Part, Role};
-use crate::value::Value;
+use crate::value::{Number, Value};
 
 fn role(v: Option<&Value<'_>>, path: &Path<'_>) -> Result<Role> {
     let v = present(v).ok_or_else(|| missing(path))?;
@@ -226,28 +228,43 @@ fn embeds_part(
     };
     let ep = path.key(field);
     let up = path.key("uuid");
-    let grid = embeds_grid(part.get(field), &ep, kind)?;
+    let meta = embeds_meta(part.get(field), &ep, kind)?;
     let uuid = opt_uuid(part, path)?.ok_or_else(|| {
         value_error(
             &up,
             format!("an '{field}' part needs the 'uuid' its encoder was given"),
         )
     })?;
-    media.add_embeds(kind, uuid, grid, &ep, &up)
+    media.add_embeds(kind, uuid, meta, &ep, &up)
 }
 
 /// The largest grid side accepted in an `image_embeds` / `video_embeds` reference (in
 /// patches); the model checks the grid against its own pixel and frame range.
 pub const MAX_GRID_SIDE: i64 = 1 << 16;
 
-/// The `[t, h, w]` grid of an `image_embeds` (`video_embeds`) part: an object holding
-/// exactly `image_grid_thw` (`video_grid_thw`): three positive integers, or one such
-/// triple in a list. Embedding tensors (a base64 string) are refused: the output must
-/// come through the connector.
-fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Result<[u32; 3]> {
-    let (field, key) = match kind {
-        MediaKind::Image => ("image_embeds", "image_grid_thw"),
-        MediaKind::Video => ("video_embeds", "video_grid_thw"),
+/// The largest `second_per_grid_ts` accepted in a `video_embeds` reference (a day, in
+/// seconds); the model checks it against its own duration limit.
+pub const MAX_SECOND_PER_GRID_T: f64 = 86_400.0;
+
+/// What a metadata-only reference says about its item.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EmbedsMeta {
+    /// The `[t, h, w]` patch grid its encoder reported.
+    pub grid_thw: [u32; 3],
+    /// A video's seconds per temporal patch (vLLM's `second_per_grid_ts`), when given.
+    pub second_per_grid_ts: Option<f64>,
+}
+
+/// The metadata of an `image_embeds` (`video_embeds`) part: an object holding
+/// `image_grid_thw` (`video_grid_thw`): three positive integers, or one such triple in
+/// a list; a video's may also hold `second_per_grid_ts`: one finite number in
+/// `(0, MAX_SECOND_PER_GRID_T]`, or that number in a one-element list (vLLM's per-item
+/// shape). Nothing else. Embedding tensors (a base64 string) are refused: the output
+/// must come through the connector.
+fn embeds_meta(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Result<EmbedsMeta> {
+    let (field, key, extra) = match kind {
+        MediaKind::Image => ("image_embeds", "image_grid_thw", None),
+        MediaKind::Video => ("video_embeds", "video_grid_thw", Some(SECOND_PER_GRID_TS)),
     };
     let v = present(v).ok_or_else(|| missing(path))?;
     let members = match v {
@@ -264,24 +281,46 @@ fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Resul
         }
         other => return Err(type_error(path, "an object", other)),
     };
-    if let Some((name, _)) = members.iter().find(|(k, _)| k != key) {
+    if let Some((name, _)) = members
+        .iter()
+        .find(|(k, _)| k != key && Some(k.as_ref()) != extra)
+    {
+        let expected = match extra {
+            Some(extra) => format!("{key} and optionally {extra}"),
+            None => format!("only {key}"),
+        };
         return Err(value_error(
             path,
             format!(
-                "unsupported {field} field '{}': expected only {key}",
+                "unsupported {field} field '{}': expected {expected}",
                 clip(name)
             ),
         ));
     }
-    let gp = path.key(key);
-    let grid = present(v.get(key)).ok_or_else(|| missing(&gp))?;
-    let mut values = array(grid, &gp)?;
+    let second_per_grid_ts = match extra {
+        Some(extra) => present(v.get(extra))
+            .map(|s| seconds_per_patch(s, &path.key(extra)))
+            .transpose()?,
+        None => None,
+    };
+    Ok(EmbedsMeta {
+        grid_thw: embeds_grid(v, &path.key(key), key)?,
+        second_per_grid_ts,
+    })
+}
+
+const SECOND_PER_GRID_TS: &str = "second_per_grid_ts";
+
+/// The grid under `key` of a reference's metadata `v`.
+fn embeds_grid(v: &Value<'_>, gp: &Path<'_>, key: &str) -> Result<[u32; 3]> {
+    let grid = present(v.get(key)).ok_or_else(|| missing(gp))?;
+    let mut values = array(grid, gp)?;
     if let [inner @ Value::Array(_)] = values {
-        values = array(inner, &gp)?;
+        values = array(inner, gp)?;
     }
     if values.len() != 3 {
         return Err(value_error(
-            &gp,
+            gp,
             format!("'{key}' must be three positive integers [t, h, w]"),
         ));
     }
@@ -290,6 +329,34 @@ fn embeds_grid(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Resul
         out[i] = integer_in(value, &gp.index(i), 1, MAX_GRID_SIDE)? as u32;
     }
     Ok(out)
+}
+
+/// A video reference's `second_per_grid_ts`: a JSON number (not a string or a boolean),
+/// bare or alone in a list, finite and in `(0, MAX_SECOND_PER_GRID_T]`.
+fn seconds_per_patch(v: &Value<'_>, path: &Path<'_>) -> Result<f64> {
+    let (value, at) = match v {
+        Value::Array(items) if items.len() == 1 => (&items[0], path.index(0)),
+        Value::Array(_) => {
+            return Err(value_error(
+                path,
+                format!("'{SECOND_PER_GRID_TS}' must be one number (or a list of one)"),
+            ))
+        }
+        other => (other, *path),
+    };
+    let seconds = match value {
+        Value::Number(Number::Int(i)) => *i as f64,
+        Value::Number(Number::UInt(u)) => *u as f64,
+        Value::Number(Number::Float(f)) => *f,
+        other => return Err(type_error(&at, "a number", other)),
+    };
+    if !(seconds.is_finite() && seconds > 0.0 && seconds <= MAX_SECOND_PER_GRID_T) {
+        return Err(range_error(
+            &at,
+            format!("'{at}' must be in (0, {MAX_SECOND_PER_GRID_T}] seconds, got {seconds}"),
+        ));
+    }
+    Ok(seconds)
 }
 
 /// Responses `input` (a string, or a list of message items) with `instructions`

@@ -21,6 +21,7 @@ pub mod sampling;
 pub mod structured;
 pub mod value;
 
+pub use content::{EmbedsMeta, MAX_SECOND_PER_GRID_T};
 pub use error::RequestError;
 pub use json::{parse_body, parse_str};
 pub use limits::Limits;

@@ -1,5 +1,6 @@
 //! Collecting a request's media items: decoding inline data, hashing, limits.
 
+use crate::content::EmbedsMeta;
 use crate::error::{RequestError, Result};
 use crate::fields::value_error;
 use crate::limits::Limits;
@@ -109,6 +110,7 @@ impl<'l> MediaCollector<'l> {
                 mm_hash,
                 param: item_path.render(),
                 grid_thw: None,
+                second_per_grid_ts: None,
             }
         } else {
             // A URL reference: the server fetches http(s) URLs, and reads file:// URLs
@@ -139,6 +141,7 @@ impl<'l> MediaCollector<'l> {
                 mm_hash,
                 param: item_path.render(),
                 grid_thw: None,
+                second_per_grid_ts: None,
             }
         };
         self.items.push(item);
@@ -154,7 +157,7 @@ impl<'l> MediaCollector<'l> {
         &mut self,
         kind: MediaKind,
         uuid: &str,
-        grid_thw: [u32; 3],
+        meta: EmbedsMeta,
         item_path: &Path<'_>,
         uuid_path: &Path<'_>,
     ) -> Result<usize> {
@@ -168,7 +171,8 @@ impl<'l> MediaCollector<'l> {
             uuid: Some(uuid.to_owned()),
             mm_hash: self.scope.uuid_hash_of(kind, uuid),
             param: item_path.render(),
-            grid_thw: Some(grid_thw),
+            grid_thw: Some(meta.grid_thw),
+            second_per_grid_ts: meta.second_per_grid_ts,
         });
         Ok(self.items.len() - 1)
     }

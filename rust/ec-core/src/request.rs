@@ -181,7 +181,7 @@ pub enum Prompt {
 }
 
 /// One media item, in order of appearance.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MediaItem {
     /// `image` or `video`.
     pub kind: &'static str,
@@ -201,6 +201,11 @@ pub struct MediaItem {
     /// its encoder reported, which sizes its placeholder; its encoder output must come
     /// through the EC connector.
     pub grid_thw: Option<[u32; 3]>,
+    /// For a `video_embeds` reference that carries it: the seconds one temporal patch
+    /// of the video spans (vLLM's `second_per_grid_ts`, Qwen2.5-VL's absolute time), a
+    /// finite number in `(0, MAX_SECOND_PER_GRID_T]`. Whether a model needs it, or
+    /// refuses it, is the model's to say.
+    pub second_per_grid_ts: Option<f64>,
 }
 
 impl MediaItem {

@@ -86,9 +86,88 @@ fn malformed_parts_are_refused_naming_the_field() {
         (embeds("u", "[0, 4, 6]"), format!("{base}.video_embeds.video_grid_thw[0]")),
         (embeds("u", "[2, 4, 65537]"), format!("{base}.video_embeds.video_grid_thw[2]")),
         (embeds("", "[2, 4, 6]"), format!("{base}.uuid")),
+        (
+            timed("[2, 4, 6]", "0.5", ",\"x\":1"),
+            format!("{base}.video_embeds"),
+        ),
+        (
+            timed("[2, 4]", "0.5", ""),
+            format!("{base}.video_embeds.video_grid_thw"),
+        ),
     ];
     for (part, param) in cases {
         let err = parse(Endpoint::Chat, &chat(&part, "")).expect_err(&part);
         assert_eq!(err.param(), Some(param.as_str()), "{part}: {err:?}");
     }
+}
+
+/// A `video_embeds` part with `second_per_grid_ts` (`seconds`, raw JSON) beside its
+/// grid, and `extra` (raw JSON members, each after a comma) in the metadata.
+fn timed(grid: &str, seconds: &str, extra: &str) -> String {
+    format!(
+        r#"{{"type":"video_embeds","video_embeds":{{"video_grid_thw":{grid},"second_per_grid_ts":{seconds}{extra}}},"uuid":"v-1"}}"#
+    )
+}
+
+#[test]
+fn second_per_grid_ts_is_read_beside_the_grid_bare_or_as_a_list_of_one() {
+    let cases = [
+        ("0.75", 0.75),
+        ("[0.75]", 0.75),
+        ("2", 2.0),
+        ("[1.3333333333333333]", 4.0 / 3.0),
+        ("86400", 86_400.0),
+        ("1e-9", 1e-9),
+    ];
+    let bare = ok(Endpoint::Chat, &chat(&embeds("v-1", "[4, 4, 6]"), ""));
+    for (raw, want) in cases {
+        let parsed = ok(Endpoint::Chat, &chat(&timed("[4, 4, 6]", raw, ""), ""));
+        let item = &parsed.media[0];
+        assert_eq!(item.second_per_grid_ts, Some(want), "{raw}");
+        assert_eq!(item.grid_thw, Some([4, 4, 6]));
+        assert_eq!(
+            item.mm_hash, bare.media[0].mm_hash,
+            "the seconds are not in the key"
+        );
+    }
+    assert_eq!(bare.media[0].second_per_grid_ts, None);
+    let null = ok(Endpoint::Chat, &chat(&timed("[4, 4, 6]", "null", ""), ""));
+    assert_eq!(null.media[0].second_per_grid_ts, None);
+    // The metadata's keys in any order.
+    let first = r#"{"type":"video_embeds","video_embeds":{"second_per_grid_ts":[0.5],"video_grid_thw":[[4,4,6]]},"uuid":"v-1"}"#;
+    let parsed = ok(Endpoint::Chat, &chat(first, ""));
+    assert_eq!(parsed.media[0].second_per_grid_ts, Some(0.5));
+    assert_eq!(parsed.media[0].grid_thw, Some([4, 4, 6]));
+}
+
+#[test]
+fn bad_second_per_grid_ts_is_refused_naming_it() {
+    let at = "messages[0].content[1].video_embeds.second_per_grid_ts";
+    let cases = [
+        ("0", at.to_owned()),
+        ("-0.5", at.to_owned()),
+        ("86400.5", at.to_owned()),
+        ("1e308", at.to_owned()),
+        ("\"0.5\"", at.to_owned()),
+        ("true", at.to_owned()),
+        ("{}", at.to_owned()),
+        ("[]", at.to_owned()),
+        ("[0.5, 0.5]", at.to_owned()),
+        ("[[0.5]]", format!("{at}[0]")),
+        ("[0]", format!("{at}[0]")),
+        ("[\"0.5\"]", format!("{at}[0]")),
+    ];
+    for (raw, param) in cases {
+        let part = timed("[2, 4, 6]", raw, "");
+        let err = parse(Endpoint::Chat, &chat(&part, "")).expect_err(raw);
+        assert_eq!(err.param(), Some(param.as_str()), "{raw}: {err:?}");
+        assert!(
+            err.to_string().contains("second_per_grid_ts"),
+            "{raw}: {err}"
+        );
+    }
+    // Only a video reference takes it.
+    let image = r#"{"type":"image_embeds","image_embeds":{"image_grid_thw":[1,4,6],"second_per_grid_ts":0.5},"uuid":"u"}"#;
+    let err = parse(Endpoint::Chat, &chat(image, "")).expect_err(image);
+    assert_eq!(err.param(), Some("messages[0].content[1].image_embeds"));
 }

@@ -140,6 +140,7 @@ pub struct PyMediaItem {
     mm_hash: String,
     param: String,
     grid_thw: Option<[u32; 3]>,
+    second_per_grid_ts: Option<f64>,
 }
 
 impl PyMediaItem {
@@ -157,6 +158,7 @@ impl PyMediaItem {
             mm_hash: item.mm_hash,
             param: item.param,
             grid_thw: item.grid_thw,
+            second_per_grid_ts: item.second_per_grid_ts,
         }
     }
 }
@@ -224,6 +226,12 @@ impl PyMediaItem {
     #[getter]
     fn video_grid_thw(&self) -> Option<(u32, u32, u32)> {
         self.reference_grid("video")
+    }
+    /// The seconds per temporal patch a `video_embeds` reference carries
+    /// (`second_per_grid_ts`); `None` when it has none, and for any other item.
+    #[getter]
+    fn second_per_grid_ts(&self) -> Option<f64> {
+        self.second_per_grid_ts
     }
     fn __len__(&self) -> usize {
         self.len

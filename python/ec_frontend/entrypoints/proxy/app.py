@@ -16,9 +16,10 @@ For each request on ``/v1/chat/completions``, ``/v1/completions`` or
    does, each item goes to the encoder named by a ``uuid`` (the client's, else
    the SHA-256 of its URL; a video with the request's ``media_io_kwargs``, which
    enter its key), and the later stages get every encoded image as a metadata-only
-   ``image_embeds`` reference with that ``uuid`` and the encoder's
-   ``image_grid_thw``, every encoded video as a ``video_embeds`` reference with its
-   ``video_grid_thw``: no media bytes, no decoding, no preprocessing there;
+   ``image_embeds`` reference with that ``uuid`` and the metadata the encoder
+   reported (``image_grid_thw``), every encoded video as a ``video_embeds``
+   reference with its metadata (``video_grid_thw``, and Qwen2.5-VL's
+   ``second_per_grid_ts``): no media bytes, no decoding, no preprocessing there;
 2. with prefill instances: the request goes to one (chosen by ``--routing`` on the
    prompt's prefix key; an unreachable one gives way to the next) with
    ``max_tokens: 1``, ``kv_transfer_params: {"do_remote_decode": true}`` and the ec
@@ -294,7 +295,8 @@ def stage_headers(request: Request) -> tuple[dict[str, str], dict[str, str]]:
 
 
 #: The reference each encoded part type becomes for the next stage (vLLM's EPD proxy's
-#: ``EMBEDS_TYPES``): the part type, and the metadata key that carries its grid.
+#: ``EMBEDS_TYPES``): the part type, and the metadata key that carries its grid (an
+#: encoder that reports no grid for an item leaves it to be sent as it is).
 REFERENCES = {
     "image_url": ("image_embeds", "image_grid_thw"),
     "video_url": ("video_embeds", "video_grid_thw"),
@@ -364,26 +366,31 @@ def item_uuid(part: dict[str, Any]) -> str:
     return hashlib.sha256(str(url).encode()).hexdigest()
 
 
-def _grid(params: dict[str, Any], part: dict[str, Any]) -> Any:
-    """The grid (``image_grid_thw``, for a video ``video_grid_thw``) of a one-item
-    encoder answer for ``part`` (``None`` when absent)."""
+def _metadata(params: dict[str, Any], part: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``metadata`` of a one-item encoder answer for ``part``, every key the encoder
+    reported (as vLLM's EPD proxy copies them: the grid, ``image_grid_thw`` or
+    ``video_grid_thw``, and what else places the item, a Qwen2.5-VL video's
+    ``second_per_grid_ts``); ``None`` when it has no grid."""
     entries = list(params.values())
     entry = entries[0] if len(entries) == 1 else None
     metadata = entry.get("metadata") if isinstance(entry, dict) else None
     _, key = REFERENCES[part.get("type", "image_url")]
-    return metadata.get(key) if isinstance(metadata, dict) else None
+    if not isinstance(metadata, dict) or metadata.get(key) is None:
+        return None
+    return metadata
 
 
-def as_references(body: dict[str, Any], grids: dict[bytes, Any]) -> dict[str, Any]:
-    """``body`` with each encoded image or video (``grids``: part key -> ``[t, h, w]``)
-    as a metadata-only ``image_embeds`` / ``video_embeds`` reference, so the next stage
-    gets no media bytes; items the encoders failed stay as they are (encoded there)."""
+def as_references(body: dict[str, Any], reported: dict[bytes, dict[str, Any]]) -> dict[str, Any]:
+    """``body`` with each encoded image or video (``reported``: part key -> the metadata
+    its encoder reported) as a metadata-only ``image_embeds`` / ``video_embeds``
+    reference, so the next stage gets no media bytes; items the encoders failed stay as
+    they are (encoded there)."""
     out = copy.deepcopy(body)
     for content, i, part in list(_image_parts(out, tuple(REFERENCES))):
-        grid = grids.get(part_key(part))
-        if grid is not None:
-            kind, key = REFERENCES[part["type"]]
-            content[i] = {"type": kind, kind: {key: grid}, "uuid": item_uuid(part)}
+        metadata = reported.get(part_key(part))
+        if metadata is not None:
+            kind, _ = REFERENCES[part["type"]]
+            content[i] = {"type": kind, kind: dict(metadata), "uuid": item_uuid(part)}
     return out
 
 
@@ -529,13 +536,13 @@ class Proxy:
 
     async def _encode_one(
         self, body: dict[str, Any], part: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[dict[str, Any], Any] | None:
+    ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """The item's ``ec_transfer_params`` from the first encoder that gives them (the
         item named by :func:`item_uuid`, so a reference can name it downstream), less
-        entries that fail verification, and the grid the encoder reported (its
-        ``image_grid_thw`` or ``video_grid_thw``: metadata from an encoder this proxy
-        chose; the item itself is found by its key, through the params or the
-        consumer's connector)."""
+        entries that fail verification, and the metadata the encoder reported (its
+        ``image_grid_thw`` or ``video_grid_thw`` and what else places the item, from an
+        encoder this proxy chose; the item itself is found by its key, through the
+        params or the consumer's connector)."""
         key = item_uuid(part).encode()
         try:
             urls = self._order(Role.ENCODE, key)
@@ -587,7 +594,7 @@ class Proxy:
                     self.metrics.encoder_requests.inc(("unverified",))
                     return None
                 self.metrics.encoder_requests.inc(("ok",))
-                return (params if isinstance(params, dict) else {}), _grid(raw, part)
+                return (params if isinstance(params, dict) else {}), _metadata(raw, part)
             self.metrics.encoder_requests.inc(("no_params",))
         return None
 
@@ -612,34 +619,36 @@ class Proxy:
 
     async def _encode(
         self, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[dict[str, Any], dict[bytes, Any], bool]:
-        """``(ec_transfer_params, grids, fell_back)`` for the body's media items;
-        ``grids`` maps each encoded part to the grid its encoder reported."""
+    ) -> tuple[dict[str, Any], dict[bytes, dict[str, Any]], bool]:
+        """``(ec_transfer_params, reported, fell_back)`` for the body's media items;
+        ``reported`` maps each encoded part to the metadata its encoder reported."""
         parts = media_parts(body)
         if not parts or Role.ENCODE not in self.members.roles():
             return {}, {}, False
         started = time.perf_counter()
         fanout = asyncio.Semaphore(self.config.max_encoder_fanout)
 
-        async def encode_one(part: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+        async def encode_one(
+            part: dict[str, Any],
+        ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
             async with fanout:
                 return await self._encode_one(body, part, headers)
 
         results = await asyncio.gather(*(encode_one(p) for p in parts))
         merged: dict[str, Any] = {}
-        grids: dict[bytes, Any] = {}
+        reported: dict[bytes, dict[str, Any]] = {}
         for part, result in zip(parts, results, strict=True):
             if result is None:
                 continue
-            params, grid = result
+            params, metadata = result
             merged.update(params)
-            if grid is not None:
-                grids[part_key(part)] = grid
+            if metadata is not None:
+                reported[part_key(part)] = metadata
         self.metrics.encode_seconds.observe(time.perf_counter() - started)
         fell_back = any(p is None for p in results)
         if fell_back:
             self.metrics.encoder_fallbacks.inc()
-        return merged, grids, fell_back
+        return merged, reported, fell_back
 
     def _refuse(self, endpoint: str, exc: ClientError, headers: dict[str, str]) -> Response:
         self.metrics.requests.inc((endpoint, str(exc.status)))
@@ -706,20 +715,20 @@ class Proxy:
         out_headers: dict[str, str],
     ) -> Response:
         ec_params: dict[str, Any] = {}
-        grids: dict[bytes, Any] = {}
+        reported: dict[bytes, dict[str, Any]] = {}
         decode_body = dict(body)
         if endpoint == "chat":
-            encoded, grids, fell_back = await self._encode(body, headers)
+            encoded, reported, fell_back = await self._encode(body, headers)
             ec_params.update(encoded)
             if fell_back:
                 out_headers[FALLBACK_HEADER] = "local-encode"
-            if grids:
-                decode_body = as_references(body, grids)
+            if reported:
+                decode_body = as_references(body, reported)
         if ec_params:
             decode_body["ec_transfer_params"] = ec_params
         # Where the next stage cannot load an encoded item (its encoder died or the
         # store evicted it since), the request goes again as the client sent it.
-        retry_inline = body if grids or ec_params else None
+        retry_inline = body if reported or ec_params else None
         route_key = prefix_key(body)
         if self._split():
             started = time.perf_counter()
