@@ -229,7 +229,7 @@ def referenced(e: Proc, image: str, port: int) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     params = r.json()["ec_transfer_params"]
     (entry,) = params.values()
-    out = as_references(body, {part_key(part): entry["metadata"]["image_grid_thw"]})
+    out = as_references(body, {part_key(part): entry["metadata"]})
     out["ec_transfer_params"] = resign_ec(params, peer_port=port)
     out["temperature"] = 0
     return out
