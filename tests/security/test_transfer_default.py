@@ -13,6 +13,7 @@ its answer is the same for both, and the same as without the params.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Any]]:
     m = builtin_model_dir
     rec = FakePeer(lambda conn: None)
     procs = {
-        "e": serve(m, "e", ec=side_channel_ec("ec_producer"), secret=None),
+        "e": serve(m, "e", ec=side_channel_ec("ec_producer"), secret=None,
+                   extra=["--encoder-cache-size", "16", "--max-num-batched-tokens", "16"]),
         "c": serve(m, "c", ec=side_channel_ec("ec_consumer"), kv=side_channel_kv("kv_both"),
                    secret=None),
     }  # fmt: skip
@@ -138,3 +140,23 @@ def test_a_consumer_says_once_at_start_that_it_ignores_transfer_params(
     assert consumer.count(IGNORED) == 1
     assert "--transfer-secret-file" in consumer and "--transfer-peers" in consumer
     assert IGNORED not in producer
+
+
+def test_outputs_no_consumer_pulls_leave_the_encoders_cache_free(dep: dict[str, Any]) -> None:
+    """An encoder's outputs here are offered to consumers that never pull them (nothing
+    trusts them). Its cache holds four such items (``--encoder-cache-size 16``, a
+    56x56 image is 4 rows), and twelve requests in a row still answer at once, not
+    after the side-channel store's 60 s TTL: a finished request's cache entries are
+    freed when it finishes, the store keeping its own reference. (They were held
+    until pulled or expired, and the fifth request waited for the first's TTL.)"""
+    e = dep["e"]
+    computed = e.metric("encoder_items_computed_total")
+    for i in range(12):
+        image = png_data_url(56, (20 * i, 90, 200 - 10 * i))
+        body = {"model": "tiny", "messages": messages("what is it", image), "max_tokens": 1}
+        started = time.monotonic()
+        r = post(e, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["ec_transfer_params"]) == 1, r.text
+        assert time.monotonic() - started < 20
+    assert e.metric("encoder_items_computed_total") == computed + 12

@@ -73,6 +73,12 @@ class ECConnectorBase(ConnectorHalf, ABC):
     #: store keeps it (a shared store, not a point-to-point hand-over): an encoder then
     #: looks there before computing an item (vLLM's ``cross_encoder_cache``).
     shares_outputs: bool = False
+    #: Whether a request whose freeing :meth:`request_finished` delays keeps its
+    #: encoder outputs in the encoder cache until the connector reports it sent. A
+    #: connector that holds its own reference to what it sends sets this to False:
+    #: the cache entries are then freed when the request finishes, so outputs a
+    #: consumer is slow to take (or never takes) do not fill the encoder cache.
+    pins_encoder_outputs: bool = True
 
     def __init__(self, config: ECTransferConfig | None, role: ECConnectorRole) -> None:
         self.config = config

@@ -10,8 +10,12 @@ into a bounded in-memory store keyed by ``mm_hash``, served at
                    "token": <32 hex>, "signature": ...}}
 
 and delays freeing the request until each of its items has been pulled once
-or has outlived ``ttl_s``; a pulled item leaves the store. The store serves or
-releases an item only to a request that carries its ``token``; with a transfer
+or has outlived ``ttl_s``; a pulled item leaves the store. The request's encoder
+cache entries are freed when it finishes all the same (``pins_encoder_outputs``
+is False): the store keeps its own reference, bounded as above, so outputs that
+a consumer never pulls (one that does not trust the params, or is gone) cost
+store memory until the TTL, never the encoder cache that its other requests need.
+The store serves or releases an item only to a request that carries its ``token``; with a transfer
 secret the entry is signed and each connection authenticated
 (``transfer_trust.py``, ``side_channel_wire.py``).
 
@@ -176,6 +180,9 @@ def parse_peer(entry: object, settings: Settings) -> Peer | None:
 
 class ECSideChannelConnector(ECConnectorBase):
     """Encoder outputs served over TCP by the producer and pulled by the consumer."""
+
+    #: The store holds its own reference to each item (a host copy on a GPU).
+    pins_encoder_outputs = False
 
     def __init__(
         self,

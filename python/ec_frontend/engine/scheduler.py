@@ -184,15 +184,16 @@ class Scheduler:
             self._kv_delayed[rid] = request
         elif self.kv_cache is not None:
             self.kv_cache.free(rid)
-        if ec_delay:
+        if ec_delay and self.ec_connector is not None and self.ec_connector.pins_encoder_outputs:
             # Pin the request's encoder outputs (also those its prompt has passed)
             # until the connector reports them sent.
             for i, feature in enumerate(request.mm_features):
                 if self.encoder_cache.contains(feature.mm_hash):
                     self.encoder_cache.check_and_update_cache(request, i)
-            self._ec_delayed[rid] = request
         else:
             self.encoder_cache.free(request)
+        if ec_delay:
+            self._ec_delayed[rid] = request
         if not kv_delay and not ec_delay:
             self._release(request)
         return kv_params, ec_params
