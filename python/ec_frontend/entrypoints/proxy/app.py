@@ -1091,6 +1091,7 @@ def build_proxy_app(config: ProxyConfig) -> tuple[FastAPI, Proxy]:
     health = RoleHealth(
         proxy.client, health_roles, config.connect_timeout_s, report=proxy.members.report
     )
+    proxy.members.on_return = health.forget
 
     async def metrics() -> Response:
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -69,6 +69,10 @@ class RoleHealth:
             return False
         return resp.status_code == 200
 
+    def forget(self, *_: object) -> None:
+        """Drop the cached answer (an instance came back: a cached "down" is stale)."""
+        self._at = -1e9
+
     async def down_roles(self) -> list[str]:
         async with self._lock:
             if time.monotonic() - self._at >= _PROBE_EVERY_S:

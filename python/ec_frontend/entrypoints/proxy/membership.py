@@ -122,6 +122,9 @@ class Membership:
         self.config = config
         self._instances: dict[tuple[Role, str], Instance] = {}
         self._on_eject = on_eject
+        #: Called when an evicted instance answers again (the proxy's ``/health``
+        #: forgets a cached "down").
+        self.on_return: Callable[[Instance], None] | None = None
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
 
@@ -199,6 +202,8 @@ class Membership:
                 instance.evicted_at = None
                 log.info("instance %s (%s) answers again; back in rotation", url,
                          instance.role.value)  # fmt: skip
+                if self.on_return is not None:
+                    self.on_return(instance)
 
     def report(self, url: str, ok: bool) -> None:
         """One probe's result (``/health`` of the proxy probes too)."""
