@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import signal
 import socket
 import statistics
@@ -233,6 +234,8 @@ def bench_epd_vs_agg(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for p in procs:
             p.stop()
+    if pd_computed:
+        raise SystemExit(f"the PD instance computed {pd_computed:.0f} encoder items: not E+PD")
     out: dict[str, Any] = {"rounds": rounds}
     for name, rs in rounds.items():
         out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -325,6 +328,10 @@ def main() -> None:
     ap.add_argument("--video-frames", type=int, default=16)
     ap.add_argument("--only", choices=("epd", "generate"), help="one measurement alone")
     args = ap.parse_args()
+    # One transfer secret for every instance and the proxy, as in a deployment: without
+    # it (or --transfer-peers) a consumer ignores the transfer params it is sent and
+    # encodes or prefills by itself, and nothing disaggregated would be measured.
+    os.environ.setdefault("EC_FRONTEND_TRANSFER_SECRET", secrets.token_hex(16))
     results: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
