@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import Proc, start_all, stop_all
 from .conftest import (
     MODEL_NAME,
     messages,
@@ -85,8 +85,7 @@ def dep(
     }
     procs += start_all(list(proxies.values()))
     yield {**engines, **proxies}
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 def client(p: Proc) -> openai.OpenAI:

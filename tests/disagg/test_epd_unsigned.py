@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..helpers.processes import Proc, free_port, start_all
+from ..helpers.processes import Proc, free_port, start_all, stop_all
 from .conftest import messages, proxy, serve, side_channel_ec, side_channel_kv
 from .test_epd import CASES, assert_same, chat, fresh_images
 
@@ -52,8 +52,7 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Proc]]:
     }
     procs += start_all(list(proxies.values()))
     yield {**engines, **proxies}
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])

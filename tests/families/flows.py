@@ -19,7 +19,7 @@ from ec_frontend.model.processor import InputProcessor
 from PIL import Image
 
 from ..disagg.conftest import proxy, serve, side_channel_ec, side_channel_kv
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import Proc, start_all, stop_all
 from .conftest import data_url, image_bytes
 
 MAX_TOKENS = 8
@@ -106,8 +106,7 @@ def deployment(model_dir: Path) -> Iterator[dict[str, Proc]]:
         procs += start_all(list(proxies.values()))
         yield {**engines, **proxies}
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def served_tokens(p: Proc, case: str, *, stream: bool = False) -> list[int]:

@@ -160,16 +160,28 @@ class Proc:
             self.proc.kill()
             self.proc.wait()
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, wait, and return the exit code (killing it if it hangs)."""
+    def stop(self, timeout: float = 30.0, *, signalled: bool = False) -> int:
+        """SIGTERM (unless ``signalled``: sent already), wait, and return the exit code
+        (killing it if it hangs)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if not signalled:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
         self.logfile.close()
         return int(self.proc.returncode)
+
+
+def stop_all(procs: Sequence[Proc], timeout: float = 30.0) -> None:
+    """:meth:`Proc.stop` for processes that need no order: all are signalled first, so
+    they shut down together instead of one after another."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.stop(timeout, signalled=True)
 
 
 def start_all(procs: Sequence[Proc]) -> list[Proc]:

@@ -37,7 +37,7 @@ from ..disagg.conftest import (
 )
 from ..families.conftest import write_llava_onevision, write_qwen2_5_vl
 from ..families.video_flows import write_qwen2_video_config
-from ..helpers.processes import start_all
+from ..helpers.processes import start_all, stop_all
 from ..helpers.video import make_clip
 from .conftest import MODEL_NAME, VllmScript
 
@@ -102,8 +102,7 @@ def dep(
     finally:
         for p in [*proxies.values(), *ours.values()]:
             p.stop()
-        for proc in procs.values():
-            proc.stop()
+        stop_all(list(procs.values()))
 
 
 def ask(url: str, image: str, *, stream: bool) -> tuple[str, int | None]:
@@ -301,8 +300,7 @@ def qwen2_5(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]
         yield {**procs, "proxy": front}
     finally:
         front.stop()
-        for proc in procs.values():
-            proc.stop()
+        stop_all(list(procs.values()))
 
 
 @pytest.fixture(scope="module")
@@ -322,8 +320,7 @@ def onevision(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, An
         yield {**procs, "proxy": front}
     finally:
         front.stop()
-        for proc in procs.values():
-            proc.stop()
+        stop_all(list(procs.values()))
 
 
 @pytest.mark.parametrize("prompt", list(VIDEO_PROMPTS))

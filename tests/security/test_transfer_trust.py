@@ -46,7 +46,7 @@ from ec_frontend.entrypoints.proxy.app import strip_transfer_params
 from ec_frontend.model.processor import MultiModalFeature
 
 from ..disagg.conftest import messages, png_data_url, proxy, serve, side_channel_ec, side_channel_kv
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import Proc, start_all, stop_all
 from .test_side_channel_limits import FakePeer
 
 SECRET = b"transfer-trust-test-secret-01234"
@@ -394,8 +394,7 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Any]]:
     }
     start_all(list(proxies.values()))
     yield {**procs, **proxies, "recorder": rec}
-    for p in (*procs.values(), *proxies.values()):
-        p.stop()
+    stop_all([*procs.values(), *proxies.values()])
     rec.close()
 
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from ..disagg.conftest import MODEL_NAME, proxy, serve, side_channel_kv
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import Proc, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +66,7 @@ def dep(builtin_model_dir: Path) -> Iterator[dict[str, Proc]]:
     px = proxy("px", prefill=[engines["p"].url], decode=[engines["d"].url])
     procs += start_all([px])
     yield {**engines, "px": px}
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 def _client(p: Proc) -> openai.OpenAI:
