@@ -108,6 +108,10 @@ def test_sampling_options_merge_as_vllm(kwargs: Any, expected: VideoSampling) ->
         ({}, 8),
         ({"container": "webm", "codec": "libvpx-vp9", "gop": 3}, 3),
         ({"container": "matroska", "codec": "mpeg4", "gop": 2, "frames": 12}, 5),
+        # MPEG-TS: seeks go by decode time, which B-frames put before presentation
+        ({"container": "mpegts"}, 8),
+        ({"container": "mpegts", "gop": 2, "frames": 12}, 5),
+        ({"container": "mpegts", "codec": "mpeg2video", "gop": 3, "frames": 12}, 4),
     ],
 )
 def test_sampled_frames_are_the_frames_of_a_full_decode(

@@ -35,6 +35,7 @@ SEEDS = {
     "mp4": lambda: make_clip(frames=10, width=84, height=56, gop=3, audio=True),
     "webm": lambda: make_clip(frames=10, container="webm", codec="libvpx-vp9", gop=4),
     "mkv": lambda: make_clip(frames=8, container="matroska", codec="mpeg4", gop=2),
+    "ts": lambda: make_clip(frames=8, container="mpegts", gop=3),
 }
 
 

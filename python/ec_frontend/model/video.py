@@ -195,15 +195,18 @@ def _decode(
         )
     # Count and time the frames from the packets (nothing decoded): headers lie.
     pts: list[int] = []
-    keyframes: list[int] = []
+    # Keyframes by presentation time, each with the time to seek to for it: its
+    # decode time where lower (MPEG-TS seeks by decode time, and a seek to a
+    # keyframe's presentation time lands after it when frames are reordered).
+    keyframes: dict[int, int] = {}
     for packet in container.demux(stream):
         if packet.pts is None or packet.size == 0:
             continue
         pts.append(int(packet.pts))
         if packet.is_keyframe:
-            keyframes.append(int(packet.pts))
+            dts = packet.dts
+            keyframes[int(packet.pts)] = int(packet.pts if dts is None else min(dts, packet.pts))
     pts.sort()
-    keyframes.sort()
     total = len(pts)
     if total == 0:
         raise _bad(index, "has no frames")
@@ -272,12 +275,14 @@ def _frames_at(
     container: Any,
     stream: Any,
     targets: list[int],
-    keyframes: list[int],
+    keyframes: dict[int, int],
     index: int,
     shape: tuple[int, int],
 ) -> list[np.ndarray]:
     """RGB frames at the presentation times ``targets`` (ascending, repeats allowed),
-    seeking to the keyframe before a target whenever that skips frames."""
+    seeking to the keyframe before a target whenever that skips frames
+    (``keyframes``: presentation time -> the time to seek to)."""
+    starts = sorted(keyframes)
     out: list[np.ndarray] = []
     wanted = set(targets)
     decoder: Any = None
@@ -287,10 +292,10 @@ def _frames_at(
         if out and ahead is None and target == last:
             out.append(out[-1])
             continue
-        k = bisect.bisect_right(keyframes, target) - 1
-        key = keyframes[k] if k >= 0 else None
+        k = bisect.bisect_right(starts, target) - 1
+        key = starts[k] if k >= 0 else None
         if decoder is None or (key is not None and key > last):
-            container.seek(key if key is not None else 0, stream=stream, backward=True)
+            container.seek(keyframes[key] if key is not None else 0, stream=stream, backward=True)
             decoder, ahead = _decoded(container, stream, wanted), None
         found = None
         while found is None:
