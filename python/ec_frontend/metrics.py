@@ -338,9 +338,19 @@ VIDEO_BYTES_DECODED = Counter(
     "Bytes of the video containers this instance decoded frames from.",
 )
 
+#: Videos a request sent again and the processor took from its cache of processed
+#: videos (``model.video_cache``, ``--mm-processor-cache-gb``) instead of decoding.
+VIDEO_CACHE_HITS = Counter(
+    PREFIX + "video_cache_hits_total",
+    "Videos taken from the processed-video cache (--mm-processor-cache-gb), not decoded again.",
+)
+
 
 #: Counters that live as long as the process (seeded into its shared file).
-_PROCESS_WIDE = (IMAGES_PREPROCESSED, VIDEOS_DECODED, VIDEO_FRAMES_DECODED, VIDEO_BYTES_DECODED)
+_PROCESS_WIDE = (
+    IMAGES_PREPROCESSED, VIDEOS_DECODED, VIDEO_FRAMES_DECODED, VIDEO_BYTES_DECODED,
+    VIDEO_CACHE_HITS,
+)  # fmt: skip
 
 _IN_FLIGHT = PREFIX + "http_requests_in_flight"
 

@@ -39,6 +39,7 @@ from ec_frontend.entrypoints.proxy.registration import DEFAULT_INTERVAL_S, ROLES
 from ec_frontend.media.options import add_media_args, media_config
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS
 from ec_frontend.model.video import VideoLimits
+from ec_frontend.model.video_cache import DEFAULT_CACHE_GB
 
 if TYPE_CHECKING:
     from ec_frontend.entrypoints.launcher import ServeOptions
@@ -383,6 +384,9 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
          "(default %(default)s)"),
         ("--max-video-duration", float, d.video.max_duration_s,
          "seconds of one video, counted from its frames (default %(default)s)"),
+        ("--mm-processor-cache-gb", float, DEFAULT_CACHE_GB,
+         "GiB of processed videos each API server keeps, by content, so that a video "
+         "sent again is not decoded again; 0: none (default %(default)s)"),
     ])  # fmt: skip
 
 
@@ -404,6 +408,7 @@ def resource_limits(args: argparse.Namespace) -> ResourceLimits:
             max_video_pixels=args.max_video_pixels,
             max_duration_s=args.max_video_duration,
         ),
+        video_cache_bytes=int(args.mm_processor_cache_gb * 2**30),
     )
 
 
@@ -416,7 +421,10 @@ _POSITIVE = (
     "max_video_frames", "max_video_frame_pixels", "max_video_pixels", "max_video_duration",
 )  # fmt: skip
 #: Flags that may be 0 (0 meaning "derived") but not negative.
-_NON_NEGATIVE = ("processing_workers", "max_processing_queue", "max_connections", "drain_timeout")
+_NON_NEGATIVE = (
+    "processing_workers", "max_processing_queue", "max_connections", "drain_timeout",
+    "mm_processor_cache_gb",
+)  # fmt: skip
 
 
 def check_flags(args: argparse.Namespace, command: str) -> str | None:

@@ -32,8 +32,9 @@ from typing import Any, Protocol, TypeGuard
 import numpy as np
 import torch
 from jinja2 import TemplateError
-from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
 
+from ec_frontend.metrics import VIDEO_CACHE_HITS
 from ec_frontend.model.errors import InputError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, decode_image
 from ec_frontend.model.mrope import prompt_positions
@@ -44,6 +45,7 @@ from ec_frontend.model.native_preprocess import (
 )
 from ec_frontend.model.registry import PositionSpec
 from ec_frontend.model.video import VideoLimits, VideoSampling, decode_video
+from ec_frontend.model.video_cache import ProcessedVideoCache, content_key
 
 __all__ = [
     "InputError",
@@ -148,6 +150,9 @@ class InputProcessor:
         self.video_token_id = video_token_id if video_rule is not None else None
         self.video_rule = video_rule
         self.video_limits = VideoLimits()
+        #: Processed videos by content (a server's processor: :meth:`configure_media`;
+        #: direct callers decode every time).
+        self.video_cache: ProcessedVideoCache[_Video] | None = None
         #: Vision patch size, for image processors that give pixels but no grid
         #: (a fixed-size image is then one frame of ``(h / patch, w / patch)`` patches).
         self.patch_size = patch_size
@@ -185,12 +190,15 @@ class InputProcessor:
         max_processor_pixels: int | None = None,
         defer_known_images: bool = True,
         video_limits: VideoLimits | None = None,
+        video_cache_bytes: int = 0,
     ) -> None:
         """Server limits: pixels per decoded image, the decoders a request may reach,
         and the largest ``mm_processor_kwargs`` pixel count (default: the checkpoint's
         ``max_pixels``); whether images decoded before are deferred (their encoder
-        output is most likely cached)."""
+        output is most likely cached); the bytes of processed videos kept for a video
+        sent again (0: none)."""
         self.defer_known_images = defer_known_images
+        self.video_cache = ProcessedVideoCache(video_cache_bytes) if video_cache_bytes else None
         if video_limits is not None:
             self.video_limits = video_limits
         if max_image_pixels is not None:
@@ -223,6 +231,11 @@ class InputProcessor:
     ) -> InputProcessor:
         """``video_rule`` builds the family's video preprocessing from the checkpoint
         directory and its image processor (``ModelFamily.load_video_rule``)."""
+        # Imported here: transformers' image processing pulls in its modeling code
+        # (about 1.6 CPU-s at every start), which only a process that prepares
+        # images needs; the engine process loads its tokenizer alone.
+        from transformers import AutoImageProcessor
+
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = AutoImageProcessor.from_pretrained(directory)
         video_token_id = getattr(config, "video_token_id", None)
@@ -487,6 +500,16 @@ class InputProcessor:
                 getattr(item, "second_per_grid_ts", None), index, param
             )
             return _Video(item.mm_hash, grid, None, [], 0, 0.0, seconds)
+        cache, key = self.video_cache, None
+        if cache is not None and item.data is not None:
+            pixel_range = None if size is None else tuple(sorted(size.items()))
+            # The request's key too: a cache_salt (in it) keeps tenants apart here as
+            # in the prefix cache, and the bytes keep a reused uuid from another video.
+            key = content_key(item.data, item.mm_hash, sampling, pixel_range)
+            hit = cache.get(key)
+            if hit is not None:
+                VIDEO_CACHE_HITS.inc()
+                return hit
         try:
             decoded = decode_video(
                 item.data, index=index, sampling=sampling, limits=self.video_limits
@@ -500,9 +523,12 @@ class InputProcessor:
             seconds = self.video_rule.second_per_grid_t(
                 len(decoded.indices), decoded.total_frames, decoded.fps
             )
-        return _Video(
+        video = _Video(
             item.mm_hash, grid, pixels, decoded.indices, decoded.total_frames, decoded.fps, seconds
         )
+        if cache is not None and key is not None and pixels is not None:
+            cache.put(key, video, pixels.element_size() * pixels.nelement())
+        return video
 
     def _reference_seconds(
         self, seconds: float | None, index: int, param: str | None

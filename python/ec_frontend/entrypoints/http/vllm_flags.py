@@ -202,7 +202,7 @@ UNSUPPORTED_TEXT: dict[str, str] = {
     """,
     "the multimodal processor is this project's own (per-request mm_processor_kwargs;"
     " --max-media-items; docs/preprocessing.md)": """
-        --mm-processor-kwargs --mm-processor-cache-gb --mm-processor-cache-type
+        --mm-processor-kwargs --mm-processor-cache-type
         --mm-hasher-algorithm --mm-shm-cache-max-object-size-mb --interleave-mm-strings
         --no-interleave-mm-strings --skip-mm-profiling --no-skip-mm-profiling --video-pruning-rate
         --video-pruning-method --mm-tensor-ipc --mm-processor-device --mm-ipc-gpu-memory-gb

@@ -27,6 +27,7 @@ from ec_frontend._core import ParsedRequest
 from ec_frontend.entrypoints.http.errors import APIError
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, probe_image
 from ec_frontend.model.video import VideoLimits
+from ec_frontend.model.video_cache import DEFAULT_CACHE_GB
 
 T = TypeVar("T")
 
@@ -62,6 +63,9 @@ class ResourceLimits:
     max_processing_queue: int = 64
     #: Bounds on each video (``--max-video-*``), checked where it is decoded.
     video: VideoLimits = field(default_factory=VideoLimits)
+    #: Bytes of processed videos each API server keeps for a video sent again
+    #: (``--mm-processor-cache-gb``; 0: none).
+    video_cache_bytes: int = int(DEFAULT_CACHE_GB * 2**30)
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:

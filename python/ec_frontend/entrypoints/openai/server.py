@@ -193,6 +193,7 @@ class App:
                 formats=limits.image_formats,
                 max_processor_pixels=limits.max_processor_pixels,
                 video_limits=limits.video,
+                video_cache_bytes=limits.video_cache_bytes,
             )
         self.tokenizer = getattr(processor, "tokenizer", None)
         self.created = int(time.time())
