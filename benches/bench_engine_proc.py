@@ -35,7 +35,7 @@ Both modes run in the same invocation, modes alternating per model, so
 background load hits both alike. Writes ``benches/results/bench_engine_proc.json``.
 
 Run: ``.venv/bin/python benches/bench_engine_proc.py [--max-tokens 48] [--mock]
-[--concurrency 32] [--rounds 5] [--client httpx]``.
+[--concurrency 32] [--rounds 5] [--client httpx] [--no-ceiling] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -516,7 +516,7 @@ def bench_model(
                     )
             finally:
                 server.stop()
-        if image:
+        if image and not opts.no_ceiling:
             for row in ceiling(args, opts):
                 note = "(the engine core alone, no server)  "
                 keep("ceiling", row, note + f"CPU/req {row['engine_cpu_ms_per_request']:.1f} ms")
@@ -551,6 +551,11 @@ def main() -> None:
         choices=("light", "httpx"),
         default="light",
         help="the benchmark's HTTP client: light (httptools + orjson) or httpx",
+    )
+    ap.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="skip the engine core stepped in this process (it uses the engine's own API)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     opts = ap.parse_args()

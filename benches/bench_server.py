@@ -7,7 +7,8 @@ Both servers run as separate processes on loopback; a lean load generator
 the median round counts, so background load hits both alike. Writes
 ``benches/results/server_mock.json``.
 
-Run: ``.venv/bin/python benches/bench_server.py [--seconds 2] [--rounds 8]``.
+Run: ``.venv/bin/python benches/bench_server.py [--seconds 2] [--rounds 8] [--ours-only]
+[--out FILE]``.
 """
 
 from __future__ import annotations
@@ -143,6 +144,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="no FastAPI baseline (e.g. to compare two trees with bench_against.py)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
 
     ours_port, base_port = free_port(), free_port()
@@ -164,19 +171,27 @@ def main() -> None:
             ],
             f"http://127.0.0.1:{ours_port}",
         ),
-        "fastapi+pydantic": start(
-            [
-                py,
-                str(ROOT / "benches" / "baseline_server.py"),
-                "--port",
-                str(base_port),
-                "--model",
-                MODEL,
-            ],
-            f"http://127.0.0.1:{base_port}",
+        **(
+            {}
+            if args.ours_only
+            else {
+                "fastapi+pydantic": start(
+                    [
+                        py,
+                        str(ROOT / "benches" / "baseline_server.py"),
+                        "--port",
+                        str(base_port),
+                        "--model",
+                        MODEL,
+                    ],
+                    f"http://127.0.0.1:{base_port}",
+                )
+            }
         ),
     }
     ports = {"ec-frontend": ours_port, "fastapi+pydantic": base_port}
+    if args.ours_only:
+        del ports["fastapi+pydantic"]
     results: dict[str, Any] = {}
     try:
         for stream in (False, True):
@@ -206,6 +221,15 @@ def main() -> None:
                 n: statistics.median(x["server_cpu_us_per_request"] for x in v)
                 for n, v in rounds.items()
             }
+            if args.ours_only:
+                print(f"{scenario}: ec-frontend {med['ec-frontend']:.1f} req/s, server CPU "
+                      f"per request {cpu['ec-frontend']:.0f} us")  # fmt: skip
+                results[scenario] = {
+                    "median_rps": med,
+                    "median_server_cpu_us_per_request": cpu,
+                    "rounds": rounds,
+                }
+                continue
             ratio = med["ec-frontend"] / med["fastapi+pydantic"]
             cpu_ratio = cpu["fastapi+pydantic"] / cpu["ec-frontend"]
             print(
@@ -225,7 +249,7 @@ def main() -> None:
         for proc in servers.values():
             proc.terminate()
             proc.wait(30)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "benchmark": "bench_server",
         "command": "python benches/bench_server.py " + " ".join(sys.argv[1:]),
@@ -236,8 +260,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "results": results,
     }
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
