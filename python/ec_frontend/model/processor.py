@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeGuard
 import numpy as np
 import torch
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, PretrainedConfig
+from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
 
 from ec_frontend.metrics import VIDEO_CACHE_HITS
 from ec_frontend.model.errors import InputError
@@ -231,11 +231,6 @@ class InputProcessor:
     ) -> InputProcessor:
         """``video_rule`` builds the family's video preprocessing from the checkpoint
         directory and its image processor (``ModelFamily.load_video_rule``)."""
-        # Imported here: transformers' image processing pulls in its modeling code
-        # (about 1.6 CPU-s at every start), which only a process that prepares
-        # images needs; the engine process loads its tokenizer alone.
-        from transformers import AutoImageProcessor
-
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = AutoImageProcessor.from_pretrained(directory)
         video_token_id = getattr(config, "video_token_id", None)
