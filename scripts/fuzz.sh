@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets of fuzz/ and runs each for a bounded time, one after
-# the other; exits non-zero if any target finds a crash (see docs/fuzzing.md).
+# Builds the libFuzzer targets of fuzz/ and runs each for a bounded time, side by side
+# (one per core); exits non-zero if any target finds a crash (see docs/fuzzing.md).
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]    (default: 20 s, every target)
 #
@@ -45,23 +45,43 @@ RUSTFLAGS="${flags[*]}" cargo +"$toolchain" build --quiet --release --locked \
 
 python3 fuzz/seeds.py fuzz/corpus
 bin=fuzz/target/$host/release
-failed=()
-for t in "${targets[@]}"; do
-    echo "== fuzz: $t for ${seconds}s"
+# The targets run side by side, one per core (FUZZ_JOBS; default: the core count), each
+# for the whole SECONDS on a core of its own: the same fuzzing as one after the other.
+jobs=${FUZZ_JOBS:-$(nproc)}
+logs=$(mktemp -d)
+run_target() {
+    local t=$1
     mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
-    log=$(mktemp)
     # shellcheck disable=SC2086 # FUZZ_ARGS is a list of flags
     if "$bin/$t" -max_total_time="$seconds" -max_len=16384 -timeout=10 \
         -rss_limit_mb=2048 -print_final_stats=1 -dict=fuzz/corpus/json.dict \
         -artifact_prefix="fuzz/artifacts/$t/" ${FUZZ_ARGS:-} \
-        "fuzz/corpus/$t" >"$log" 2>&1; then
-        grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|Done )' "$log" || true
+        "fuzz/corpus/$t" >"$logs/$t.log" 2>&1; then
+        touch "$logs/$t.ok"
+    fi
+}
+running=0
+for t in "${targets[@]}"; do
+    if [ "$running" -ge "$jobs" ]; then
+        wait -n || true
+        running=$((running - 1))
+    fi
+    echo "== fuzz: $t for ${seconds}s"
+    run_target "$t" &
+    running=$((running + 1))
+done
+wait
+failed=()
+for t in "${targets[@]}"; do
+    if [ -e "$logs/$t.ok" ]; then
+        echo "-- $t"
+        grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|Done )' "$logs/$t.log" || true
     else
-        tail -n 60 "$log"
+        tail -n 60 "$logs/$t.log"
         failed+=("$t")
     fi
-    rm -f "$log"
 done
+rm -rf "$logs"
 if [ ${#failed[@]} -gt 0 ]; then
     echo "fuzz: crash in ${failed[*]} (inputs under fuzz/artifacts/)" >&2
     exit 1

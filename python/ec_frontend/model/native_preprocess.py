@@ -37,6 +37,7 @@ import torch
 from ec_frontend import _core
 from ec_frontend.metrics import IMAGES_PREPROCESSED
 from ec_frontend.model.errors import InputError
+from ec_frontend.model.image_settings import processor_class_names, processor_name
 
 if TYPE_CHECKING:
     from ec_frontend.model.processor import MultiModalFeature
@@ -251,7 +252,7 @@ def native_preprocessor_for(
     """The native equivalent of ``image_processor``, or ``None`` when its class or
     settings are not covered; ``log`` says at INFO which path is used and why.
     ``patch_size`` (the vision tower's) sizes a CLIP image's grid."""
-    name = type(image_processor).__name__
+    name = processor_name(image_processor)
     rule, reason = _rule_of(image_processor, name, patch_size)
     if reason is None and os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         reason = f"disabled by {DISABLE_ENV}"
@@ -299,7 +300,7 @@ def native_preprocessor_for(
 
 def _rule_of(ip: Any, name: str, patch_size: int | None) -> tuple[str, str | None]:
     """The native rule for ``ip`` and ``None``, or a reason it has none."""
-    classes = {c.__name__ for c in type(ip).__mro__}
+    classes = processor_class_names(ip)
     if classes & set(_QWEN_VL_CLASSES):
         rule = "qwen_vl"
     elif classes & set(_CLIP_CLASSES):

@@ -25,10 +25,10 @@ kernel that reads each decode's K and V in place through its block table
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ec_frontend.config import ATTENTION_BACKENDS, TRITON_BACKEND_NEEDS
 from ec_frontend.errors import ConfigError
@@ -230,7 +230,7 @@ def paged_attention(
             mask = None
         else:
             k, v = _gather(kv_cache, chunk.blocks[None], chunk.seq_len, query.dtype)
-            mask = causal_lower_right(new, chunk.seq_len)
+            mask = _causal_lower_right(new, chunk.seq_len)
         o = F.scaled_dot_product_attention(
             q,
             k.to(query.dtype),
@@ -283,3 +283,12 @@ def _gather_prefills(
             enable_gqa=True,
         )
         out[chunk.start : chunk.end] = o.transpose(0, 1)
+
+
+def _causal_lower_right(new: int, seq_len: int) -> Any:
+    """torch's lower-right causal mask of ``new`` queries over ``seq_len`` keys. Its
+    module imports ``torch._dynamo`` (over a CPU-second): imported at first use, so
+    that a process that only reads the model's settings (an API server) does not."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(new, seq_len)

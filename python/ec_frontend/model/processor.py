@@ -32,10 +32,11 @@ from typing import Any, Protocol, TypeGuard
 import numpy as np
 import torch
 from jinja2 import TemplateError
-from transformers import AutoImageProcessor, AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
 
 from ec_frontend.metrics import VIDEO_CACHE_HITS
 from ec_frontend.model.errors import InputError
+from ec_frontend.model.image_settings import load_image_processor
 from ec_frontend.model.media import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, decode_image
 from ec_frontend.model.mrope import prompt_positions
 from ec_frontend.model.native_preprocess import (
@@ -232,7 +233,7 @@ class InputProcessor:
         """``video_rule`` builds the family's video preprocessing from the checkpoint
         directory and its image processor (``ModelFamily.load_video_rule``)."""
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        image_processor = AutoImageProcessor.from_pretrained(directory)
+        image_processor = load_image_processor(directory)
         video_token_id = getattr(config, "video_token_id", None)
         return cls(
             tokenizer,
