@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -178,3 +179,44 @@ def test_an_api_server_processor_imports_no_image_processing(builtin_model_dir: 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+TORCHVISION_DIR = Path(__file__).resolve().parents[2] / ".venv" / "extras" / "torchvision"
+
+
+def test_settings_equal_transformers_torchvision_backend(
+    tmp_path: Path, builtin_model_dir: Path
+) -> None:
+    """transformers' torchvision backend (``Qwen2VLImageProcessor``, what it picks where
+    torchvision is importable), in a child with the test-only torchvision."""
+    if not (TORCHVISION_DIR / "torchvision").is_dir():
+        pytest.skip(f"torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh installs it)")
+    directories = [
+        _checkpoint(tmp_path / f"c{i}", builtin_model_dir, config)
+        for i, config in enumerate(READ.values())
+    ]
+    code = (
+        "import json, sys\n"
+        "from transformers import AutoImageProcessor\n"
+        "attrs = sys.argv[1].split(',')\n"
+        "out = {}\n"
+        "for d in sys.argv[2:]:\n"
+        "    p = AutoImageProcessor.from_pretrained(d)\n"
+        "    values = {a: getattr(p, a) for a in attrs}\n"
+        "    values['size'] = {k: v for k, v in dict(p.size).items() if v is not None}\n"
+        "    out[d] = [type(p).__name__, values]\n"
+        "print(json.dumps(out, default=list))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, ",".join(sorted(SETTINGS)), *map(str, directories)],
+        env={**os.environ, "PYTHONPATH": str(TORCHVISION_DIR)},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = json.loads(done.stdout.strip().splitlines()[-1])
+    for directory in directories:
+        name, values = reference[str(directory)]
+        assert name == "Qwen2VLImageProcessor"  # the torchvision backend
+        ours = load_image_processor(directory)
+        for attr in sorted(SETTINGS):
+            assert _plain(getattr(ours, attr)) == _plain(values[attr]), (directory, attr)
