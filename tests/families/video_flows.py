@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -36,11 +35,10 @@ from transformers import PreTrainedTokenizerFast
 
 from ..disagg.conftest import serve
 from ..helpers.processes import Proc, start_all
+from ..helpers.torchvision import torchvision_env
 from .conftest import data_url
 
 MAX_TOKENS = 8
-#: The test-only torchvision (``scripts/setup.sh``) beside the interpreter's venv.
-TORCHVISION_DIR = Path(sys.prefix) / "extras" / "torchvision"
 #: A case: (with an image before the video, media_io_kwargs["video"] or None, text).
 Case = tuple[bool, dict[str, Any] | None, str]
 
@@ -114,8 +112,7 @@ def run_reference(
 ) -> Any:
     """transformers' processor over every case (a child process with torchvision);
     with ``family`` it is that family's processor, given the video metadata."""
-    if not (TORCHVISION_DIR / "torchvision").is_dir():
-        pytest.fail(f"the test-only torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh)")
+    env = torchvision_env()
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
     arrays: dict[str, Any] = {"checkpoint": np.array(str(model_dir))}
     if family is not None:
@@ -133,7 +130,6 @@ def run_reference(
                 [decoded.fps, decoded.total_frames, *decoded.indices], np.float64
             )
     np.savez(tmp / "in.npz", **arrays)
-    env = dict(os.environ, PYTHONPATH=str(TORCHVISION_DIR))
     script = Path(__file__).with_name("video_reference.py")
     subprocess.run(
         [sys.executable, str(script), str(tmp / "in.npz"), str(tmp / "out.npz")],

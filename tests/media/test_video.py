@@ -8,7 +8,6 @@ each, in memory.
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from ec_frontend.model.video import (
 from PIL import Image
 
 from ..helpers.origin import Origin, Route, origin
+from ..helpers.torchvision import torchvision_env
 from ..helpers.video import (
     decode_all,
     make_audio_only,
@@ -252,8 +252,6 @@ def test_frames_are_resized_into_the_pixel_range() -> None:
 
 #: transformers' ``Qwen2VLVideoProcessor`` defaults (the rule above has a smaller range).
 HF_RULE = qwen_video_rule(128 * 28 * 28, 28 * 28 * 768)
-#: The test-only torchvision (``scripts/setup.sh``) beside the interpreter's venv.
-TORCHVISION_DIR = Path(sys.prefix) / "extras" / "torchvision"
 
 
 def smooth_frames(n: int, height: int, width: int, seed: int) -> np.ndarray:
@@ -337,8 +335,7 @@ def test_the_native_video_rule_against_transformers(tmp_path: Path) -> None:
     grids equal; frames at the target size bit-identical; resized frames within two
     8-bit levels after normalization (torchvision's bicubic rounds differently from
     Pillow's, whose bytes the native kernels reproduce: ``docs/video.md``)."""
-    if not (TORCHVISION_DIR / "torchvision").is_dir():
-        pytest.fail(f"the test-only torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh)")
+    env = torchvision_env()
     arrays: dict[str, np.ndarray] = {}
     for case, (frames, pixels) in NATIVE_CASES.items():
         arrays[f"{case}/frames"] = frames
@@ -347,7 +344,7 @@ def test_the_native_video_rule_against_transformers(tmp_path: Path) -> None:
     script = Path(__file__).with_name("video_torchvision_reference.py")
     subprocess.run(
         [sys.executable, str(script), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-        env=dict(os.environ, PYTHONPATH=str(TORCHVISION_DIR)),
+        env=env,
         check=True,
         timeout=600,
     )

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from ec_frontend.model.video_processor import QwenVideoRule
 from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from ..helpers.torchvision import torchvision_env
 
 QWEN2_VL_7B = {  # Qwen/Qwen2-VL-7B-Instruct's keys: the pixel range outside `size`
     "min_pixels": 3136,
@@ -181,16 +182,11 @@ def test_an_api_server_processor_imports_no_image_processing(builtin_model_dir: 
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-TORCHVISION_DIR = Path(__file__).resolve().parents[2] / ".venv" / "extras" / "torchvision"
-
-
 def test_settings_equal_transformers_torchvision_backend(
     tmp_path: Path, builtin_model_dir: Path
 ) -> None:
     """transformers' torchvision backend (``Qwen2VLImageProcessor``, what it picks where
     torchvision is importable), in a child with the test-only torchvision."""
-    if not (TORCHVISION_DIR / "torchvision").is_dir():
-        pytest.skip(f"torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh installs it)")
     directories = [
         _checkpoint(tmp_path / f"c{i}", builtin_model_dir, config)
         for i, config in enumerate(READ.values())
@@ -209,7 +205,7 @@ def test_settings_equal_transformers_torchvision_backend(
     )
     done = subprocess.run(
         [sys.executable, "-c", code, ",".join(sorted(SETTINGS)), *map(str, directories)],
-        env={**os.environ, "PYTHONPATH": str(TORCHVISION_DIR)},
+        env=torchvision_env(),
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -16,7 +16,6 @@ torchvision's than transformers' own PIL backend is.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,20 +25,18 @@ import numpy as np
 import pytest
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from ..helpers.torchvision import torchvision_env
 from .corpus import corpus
 from .test_equality import native_for, run_native, run_reference
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHVISION_DIR = ROOT / ".venv" / "extras" / "torchvision"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def torchvision_out(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    if not (TORCHVISION_DIR / "torchvision").is_dir():
-        pytest.skip(f"torchvision is not in {TORCHVISION_DIR} (scripts/setup.sh installs it)")
+    env = torchvision_env()
     out = tmp_path_factory.mktemp("torchvision") / "reference.npz"
-    env = dict(os.environ, PYTHONPATH=str(TORCHVISION_DIR))
     subprocess.run(
         [sys.executable, str(Path(__file__).with_name("torchvision_reference.py")), str(out)],
         env=env,
