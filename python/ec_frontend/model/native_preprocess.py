@@ -37,7 +37,11 @@ import torch
 from ec_frontend import _core
 from ec_frontend.metrics import IMAGES_PREPROCESSED
 from ec_frontend.model.errors import InputError
-from ec_frontend.model.image_settings import processor_class_names, processor_name
+from ec_frontend.model.image_settings import (
+    QWEN_VL_TYPES,
+    processor_class_names,
+    processor_name,
+)
 
 if TYPE_CHECKING:
     from ec_frontend.model.processor import MultiModalFeature
@@ -72,12 +76,8 @@ def images_preprocessed() -> int:
     return int(IMAGES_PREPROCESSED.get())
 
 
-#: transformers image processor classes whose rule the native path implements.
-_QWEN_VL_CLASSES = (
-    "Qwen2VLImageProcessor",
-    "Qwen2VLImageProcessorPil",
-    "Qwen2VLImageProcessorFast",
-)
+#: transformers image processor classes whose rule the native path implements
+#: (Qwen2-VL's: ``image_settings.QWEN_VL_TYPES``).
 _CLIP_CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast")
 
 
@@ -301,7 +301,7 @@ def native_preprocessor_for(
 def _rule_of(ip: Any, name: str, patch_size: int | None) -> tuple[str, str | None]:
     """The native rule for ``ip`` and ``None``, or a reason it has none."""
     classes = processor_class_names(ip)
-    if classes & set(_QWEN_VL_CLASSES):
+    if classes & QWEN_VL_TYPES:
         rule = "qwen_vl"
     elif classes & set(_CLIP_CLASSES):
         rule = "clip"
