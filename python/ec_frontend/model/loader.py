@@ -295,19 +295,29 @@ def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the ``meta`` device (no memory,
     and initialisation is a no-op); buffers (rotary frequencies) stay real. It
     patches ``nn.Module.register_parameter`` for the whole process while active:
-    build nothing else concurrently (the engine loads before it serves)."""
+    build nothing else concurrently (the engine loads before it serves).
+
+    ``nn.Embedding``'s initialisation is skipped outright: ``normal_`` on a meta
+    tensor runs through ``torch._refs``, whose first use imports ``torch._dynamo``
+    (about 1.2 CPU-seconds of an engine start, for values nobody reads)."""
     original = nn.Module.register_parameter
+    embedding_reset = nn.Embedding.reset_parameters
 
     def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.to("meta"), requires_grad=False)
         original(self, name, param)
 
+    def no_reset(self: nn.Embedding) -> None:
+        pass
+
     nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Embedding.reset_parameters = no_reset  # type: ignore[method-assign]
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Embedding.reset_parameters = embedding_reset  # type: ignore[method-assign]
 
 
 def _set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

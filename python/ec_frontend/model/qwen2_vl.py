@@ -1,7 +1,8 @@
 """Qwen2-VL as a :class:`VisionLanguageModel`: vision tower + paged language model.
 
-The vision tower is ``transformers``' Qwen2-VL vision transformer holding the
-checkpoint's weights; the language model is :class:`Qwen2TextModel`, which runs
+The vision tower is :class:`~ec_frontend.model.qwen2_vl_vision.Qwen2VisionTower`
+(``transformers``' Qwen2-VL vision transformer for a config it does not cover),
+holding the checkpoint's weights; the language model is :class:`Qwen2TextModel`, which runs
 on the runner's paged KV cache. :class:`Qwen2VLModel` serves every family built
 the same way (a Qwen-style vision tower whose ``pooler_output`` holds the
 merged tokens, a Qwen2 decoder): Qwen2.5-VL reuses it with its own tower.
@@ -19,6 +20,7 @@ from torch import nn
 
 from ec_frontend.model.interface import AttentionMetadata, KVCacheSpec, VisionLanguageModel
 from ec_frontend.model.qwen2_text import Qwen2TextModel, TextShape, qwen2_text_config
+from ec_frontend.model.qwen2_vl_vision import build_vision
 from ec_frontend.model.registry import ModelFamily, PositionSpec
 
 if TYPE_CHECKING:
@@ -45,11 +47,11 @@ FAMILY = ModelFamily(
     name="Qwen2-VL",
     model_types=("qwen2_vl",),
     architectures=("Qwen2VLForConditionalGeneration",),
-    vision_tower="transformers.models.qwen2_vl.modeling_qwen2_vl:"
-    "Qwen2VisionTransformerPretrainedModel",
+    vision_tower="ec_frontend.model.qwen2_vl_vision:Qwen2VisionTower",
     weight_prefixes=QWEN_VL_WEIGHT_PREFIXES,
     text_config=qwen2_text_config,
     positions=qwen_mrope_positions,
+    vision_builder=build_vision,
     video_rule="ec_frontend.model.video_processor:QwenVideoRule",
 )
 
@@ -123,8 +125,9 @@ class Qwen2VLModel(VisionLanguageModel):
         return list(torch.split(self._encoder_rows(out), (patches // merge**2).tolist()))
 
     def _encoder_rows(self, out: Any) -> torch.Tensor:
-        """The ``[tokens, encoder_output_size]`` rows of all images from the tower's output."""
-        rows: torch.Tensor = out.pooler_output
+        """The ``[tokens, encoder_output_size]`` rows of all images from the tower's output
+        (the rows themselves, or a ``transformers`` output holding them as ``pooler_output``)."""
+        rows: torch.Tensor = out if isinstance(out, torch.Tensor) else out.pooler_output
         return rows
 
     @torch.no_grad()
