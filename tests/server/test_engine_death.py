@@ -132,9 +132,13 @@ def test_killed_server_takes_its_engine_along(builtin_model_dir: Path) -> None:
     try:
         engine = _engine_pid(server)
         assert _running(engine)
+        # Its argv: python -c <code> <ready fd> <socket directory> <clients> <kind>.
+        sockets = Path(Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")[4].decode())
+        assert sockets.name.startswith("ec-engine-") and (sockets / "in").exists()
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         assert _wait_gone(engine, 10.0), "the engine process outlived its server"
+        assert not sockets.exists(), "the engine left its socket directory behind"
     finally:
         server.stop()
 

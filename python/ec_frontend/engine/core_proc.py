@@ -306,8 +306,10 @@ def main() -> None:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.close()
+        # The socket directory, here too: a server killed outright never removes it.
+        shutil.rmtree(directory, ignore_errors=True)
         logging.shutdown()
-    # Nothing is left to clean up that the kernel does not: skip the interpreter's
+    # Nothing else is left to clean up that the kernel does not: skip the interpreter's
     # teardown (seconds of a loaded host, counted in the server's drain).
     os._exit(0)
 

@@ -199,6 +199,8 @@ class Qwen2VisionTower(nn.Module):
     def __init__(self, vision_config: PretrainedConfig) -> None:
         super().__init__()
         cfg = vision_config
+        #: Read by the engine's memory profile (patch and merge sizes), as on transformers'.
+        self.config = vision_config
         dim, heads = int(cfg.embed_dim), int(cfg.num_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or dim // heads)
         self.merge = int(cfg.spatial_merge_size)
