@@ -19,7 +19,7 @@ import openai
 import orjson
 import pytest
 
-from ..helpers.processes import Proc, free_port
+from ..helpers.processes import LOCAL, Proc, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _answering(proc: Proc) -> Proc:
     while time.monotonic() < deadline:
         assert proc.proc.poll() is None, proc.log()
         try:
-            httpx.get(proc.url + "/health", timeout=1.0)
+            LOCAL.get(proc.url + "/health", timeout=1.0)
             return proc
         except httpx.TransportError:
             time.sleep(0.1)

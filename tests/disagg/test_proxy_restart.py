@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers.processes import Proc, free_port
+from ..helpers.processes import LOCAL, Proc, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _serving(px: Proc, timeout_s: float) -> float:
     while True:
         assert px.proc.poll() is None, px.log()
         try:
-            if httpx.post(px.url + "/v1/chat/completions", json=body, timeout=5).status_code == 200:
+            if LOCAL.post(px.url + "/v1/chat/completions", json=body, timeout=5).status_code == 200:
                 return time.monotonic() - started
         except httpx.TransportError:
             pass
@@ -100,7 +100,7 @@ def test_a_proxy_killed_mid_run_fails_its_streams_and_a_new_one_serves_again() -
         px = _proxy(port)
         # Learned again from the instance's next announcement.
         assert _serving(px, timeout_s=30) < 10 * ANNOUNCE_S + 10
-        status = httpx.get(px.url + "/instances").json()
+        status = LOCAL.get(px.url + "/instances").json()
         assert status["prefill_decode"]["live"] == [server.url]
     finally:
         px.stop()

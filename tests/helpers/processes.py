@@ -25,6 +25,11 @@ import httpx
 from ec_frontend.metrics import PREFIX, parse_text
 
 STARTUP_TIMEOUT_S = 180.0
+#: The helpers' client for requests to local processes. ``httpx.get`` builds a client,
+#: and with it a TLS context, on every call: about 24 ms of CPU here, against 0.2 ms on a
+#: client made once, and a start-up polls ``/health`` every 0.1 s. No keep-alive, so no
+#: connection outlives the process it went to.
+LOCAL = httpx.Client(timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0))
 LOG_TAIL_CHARS = 4000
 
 
@@ -118,7 +123,7 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if LOCAL.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
@@ -136,7 +141,7 @@ class Proc:
         return self.output()[-LOG_TAIL_CHARS:]
 
     def metrics(self) -> dict[str, float]:
-        return parse_text(httpx.get(self.url + "/metrics", timeout=10.0).text)
+        return parse_text(LOCAL.get(self.url + "/metrics", timeout=10.0).text)
 
     def metric(self, name: str) -> float:
         """One unlabelled ``ec_frontend_<name>`` value (0 when absent)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..helpers.processes import Proc, free_port
+from ..helpers.processes import LOCAL, Proc, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_REQUIREMENT = "vllm==0.33.0"
@@ -105,7 +105,7 @@ class VllmScript:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"{self.proc.args} exited:\n{self.log()}"
             try:
-                if httpx.get(self.url + self.health, timeout=2.0).status_code == 200:
+                if LOCAL.get(self.url + self.health, timeout=2.0).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

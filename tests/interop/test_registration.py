@@ -26,7 +26,7 @@ import pytest
 from ec_frontend.config import TRANSFER_SECRET_ENV
 
 from ..disagg.conftest import SECRET, messages, png_data_url, serve, side_channel_ec
-from ..helpers.processes import Proc, start_all
+from ..helpers.processes import LOCAL, Proc, start_all
 from .conftest import MODEL_NAME, VllmScript
 from .test_epd_proxy import PROXY
 
@@ -110,7 +110,7 @@ def test_our_instances_register_with_vllms_proxy_and_serve_through_it(
     vpx, e, pd = dep["vpx"], dep["e"], dep["pd"]
     deadline = time.monotonic() + 30
     while True:
-        status = httpx.get(vpx.url + "/instances").json()
+        status = LOCAL.get(vpx.url + "/instances").json()
         if status["encode"]["live"] == [e.url] and status["prefill_decode"]["live"] == [pd.url]:
             break
         assert time.monotonic() < deadline, (status, vpx.log())
@@ -122,6 +122,6 @@ def test_our_instances_register_with_vllms_proxy_and_serve_through_it(
     assert e.metric("encoder_items_computed_total") >= 1
     assert e.stop() == 0
     gone = time.monotonic() + 10
-    while e.url in httpx.get(vpx.url + "/instances").json()["encode"]["live"]:
+    while e.url in LOCAL.get(vpx.url + "/instances").json()["encode"]["live"]:
         assert time.monotonic() < gone, "the encoder did not unregister on exit"
         time.sleep(0.2)

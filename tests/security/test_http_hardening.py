@@ -24,7 +24,7 @@ import pytest
 from ec_frontend.engine.mock import MockEngine, MockEngineConfig
 from ec_frontend.entrypoints.openai.server import ServerConfig, build_app
 
-from ..helpers.processes import Proc
+from ..helpers.processes import LOCAL, Proc
 from .test_limits import SMALL_PNG, chat_body, data_url, rss_kib
 
 pytestmark = pytest.mark.slow
@@ -258,7 +258,7 @@ def test_cap_with_every_connection_busy_is_503_and_keep_alive_ends() -> None:
                 for s in streams:
                     s.__exit__(None, None, None)
         deadline = time.monotonic() + 10  # until the server has seen both clients leave
-        while httpx.get(proc.url + "/health", timeout=10).status_code != 200:
+        while LOCAL.get(proc.url + "/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert refused(proc, "connection_cap") >= 1
