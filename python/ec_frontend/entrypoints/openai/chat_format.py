@@ -8,7 +8,8 @@ choice's ``finish_reason``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from typing import Any, overload
 
 import orjson
@@ -167,7 +168,7 @@ async def _stream(
     object_name: str,
     opening: list[dict[str, Any]],
     fields: Callable[[Choice, Any], dict[str, Any]],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE chunks shared by both streamed APIs, ending with ``data: [DONE]``.
 
     ``opening`` choices are sent first, one chunk each. Then, as vLLM does, one
@@ -225,40 +226,43 @@ async def _stream(
     # last choice's finish waits for the usage chunk and ``[DONE]`` behind it.
     pending: list[bytes] = []
     unfinished = len(jobs)
-    deltas = serving.stream(jobs, ctx.started, parsed.stream_interval)
-    try:
-        async for c, out in deltas:
-            if c.error is not None:
-                yield b"".join([*pending, stream_error(c.error), DONE])
-                return
-            seen[c.index] = c
-            finished = out.finished
-            if out.token_ids or out.text or out.logprobs or finished:
-                choice = {
-                    "index": c.index,
-                    **fields(c, out),
-                    "finish_reason": c.finish_reason if finished else None,
-                }
-                if with_ids:
-                    choice["token_ids"] = list(out.token_ids)
-                generated = len(c.token_ids)
-                if finished:
-                    unfinished -= 1
-                    choice["stop_reason"] = c.stop_reason
-                    params = {
-                        "kv_transfer_params": c.kv_transfer_params,
-                        "ec_transfer_params": c.ec_transfer_params,
+    # Closed here, whichever way this generator ends (its own early return, or its
+    # reader closing it at a yield): the jobs still running are aborted at once rather
+    # than whenever the collector finalises an abandoned stream.
+    async with aclosing(serving.stream(jobs, ctx.started, parsed.stream_interval)) as deltas:
+        try:
+            async for c, out in deltas:
+                if c.error is not None:
+                    yield b"".join([*pending, stream_error(c.error), DONE])
+                    return
+                seen[c.index] = c
+                finished = out.finished
+                if out.token_ids or out.text or out.logprobs or finished:
+                    choice = {
+                        "index": c.index,
+                        **fields(c, out),
+                        "finish_reason": c.finish_reason if finished else None,
                     }
-                    pending.append(chunk(choice, params, generated))
-                else:
-                    pending.append(chunk(choice, None, generated))
-            if pending and unfinished and not deltas.ready:
+                    if with_ids:
+                        choice["token_ids"] = list(out.token_ids)
+                    generated = len(c.token_ids)
+                    if finished:
+                        unfinished -= 1
+                        choice["stop_reason"] = c.stop_reason
+                        params = {
+                            "kv_transfer_params": c.kv_transfer_params,
+                            "ec_transfer_params": c.ec_transfer_params,
+                        }
+                        pending.append(chunk(choice, params, generated))
+                    else:
+                        pending.append(chunk(choice, None, generated))
+                if pending and unfinished and not deltas.ready:
+                    yield b"".join(pending)
+                    pending.clear()
+        except Exception:
+            if pending:  # what was ready goes out before the error event
                 yield b"".join(pending)
-                pending.clear()
-    except Exception:
-        if pending:  # what was ready goes out before the error event
-            yield b"".join(pending)
-        raise
+            raise
     if usage_on:
         pending.append(sse({**base, "choices": [], "usage": usage(list(seen.values()))}))
     pending.append(DONE)
@@ -267,7 +271,7 @@ async def _stream(
 
 def chat_stream(
     serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE chunks of a streamed chat completion, ending with ``data: [DONE]``."""
     opening = [
         {
@@ -302,7 +306,7 @@ def chat_stream(
 
 def completion_stream(
     serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], ids: str
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE chunks of a streamed completion, ending with ``data: [DONE]``.
 
     With ``echo``, as in vLLM, a choice's first chunk carries its prompt text

@@ -20,7 +20,8 @@ Shapes follow vLLM 0.33's ``GenerateTokensResponse`` / ``GenerateTextResponse``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -102,43 +103,46 @@ async def generate_stream(
     parsed: ParsedRequest,
     jobs: list[Job],
     request_id: str,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     text_mode = parsed.output_mode == "text"
     send_prompt = parsed.return_token_ids
     generated = 0
     prompt_tokens = 0
-    async for c, out in serving.stream(jobs, ctx.started, parsed.stream_interval):
-        if c.error is not None:
-            yield stream_error(c.error)
-            yield DONE
-            return
-        prompt_tokens = len(c.prompt_token_ids)
-        generated += len(out.token_ids)
-        if not (out.token_ids or out.finished or (text_mode and out.text)):
-            continue
-        choice: dict[str, Any] = {
-            "index": 0,
-            "finish_reason": out.finish_reason if out.finished else None,
-            "stop_reason": out.stop_reason if out.finished else None,
-            "token_ids": list(out.token_ids),
-            **_UNREPORTED,
-            "logprobs": _logprobs(ctx, text_mode, out.logprobs),
-        }
-        if text_mode:
-            choice["text"] = out.text
-        chunk: dict[str, Any] = {
-            "request_id": request_id,
-            "usage": _usage(prompt_tokens, generated) if parsed.continuous_usage_stats else None,
-            "output_mode": parsed.output_mode,
-            "choices": [choice],
-        }
-        if send_prompt:
-            chunk["prompt_token_ids"] = c.prompt_token_ids
-            send_prompt = False
-        if out.finished:
-            chunk["kv_transfer_params"] = c.kv_transfer_params
-            chunk["ec_transfer_params"] = c.ec_transfer_params
-        yield sse(chunk)
+    async with aclosing(serving.stream(jobs, ctx.started, parsed.stream_interval)) as deltas:
+        async for c, out in deltas:
+            if c.error is not None:
+                yield stream_error(c.error)
+                yield DONE
+                return
+            prompt_tokens = len(c.prompt_token_ids)
+            generated += len(out.token_ids)
+            if not (out.token_ids or out.finished or (text_mode and out.text)):
+                continue
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None,
+                "token_ids": list(out.token_ids),
+                **_UNREPORTED,
+                "logprobs": _logprobs(ctx, text_mode, out.logprobs),
+            }
+            if text_mode:
+                choice["text"] = out.text
+            chunk: dict[str, Any] = {
+                "request_id": request_id,
+                "usage": (
+                    _usage(prompt_tokens, generated) if parsed.continuous_usage_stats else None
+                ),
+                "output_mode": parsed.output_mode,
+                "choices": [choice],
+            }
+            if send_prompt:
+                chunk["prompt_token_ids"] = c.prompt_token_ids
+                send_prompt = False
+            if out.finished:
+                chunk["kv_transfer_params"] = c.kv_transfer_params
+                chunk["ec_transfer_params"] = c.ec_transfer_params
+            yield sse(chunk)
     if parsed.include_usage:
         final = {"request_id": request_id, "usage": _usage(prompt_tokens, generated)}
         yield sse({**final, "output_mode": parsed.output_mode, "choices": []})

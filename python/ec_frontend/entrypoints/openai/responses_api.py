@@ -16,7 +16,8 @@ at the top level (``null`` until known); the completed one has the final values.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -147,7 +148,7 @@ def response_body(
 
 async def response_stream(
     serving: Serving, ctx: RequestContext, parsed: ParsedRequest, jobs: list[Job], resp_id: str
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The Responses API event stream for a single-choice request."""
     seq = 0
     msg_id = f"msg_{ctx.request_id}"
@@ -164,8 +165,9 @@ async def response_stream(
     yield event("response.created", {"response": start})
     yield event("response.in_progress", {"response": start})
     if jobs and jobs[0].tools is not None:
-        async for chunk in _tool_events(serving, ctx, parsed, jobs, resp_id, event):
-            yield chunk
+        async with aclosing(_tool_events(serving, ctx, parsed, jobs, resp_id, event)) as events:
+            async for chunk in events:
+                yield chunk
         return
     loc = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     yield event(
@@ -174,16 +176,17 @@ async def response_stream(
     )
     yield event("response.content_part.added", {**loc, "part": output_text_part("")})
     final: Choice | None = None
-    async for c, out in serving.stream(jobs, ctx.started):
-        if c.error is not None:
-            yield event("error", _error_payload(c.error))
-            yield DONE
-            return
-        if out.text or out.token_ids:
-            delta = {**loc, "delta": out.text, "logprobs": _logprobs(ctx, out.logprobs)}
-            yield event("response.output_text.delta", delta)
-        if out.finished:
-            final = c
+    async with aclosing(serving.stream(jobs, ctx.started)) as deltas:
+        async for c, out in deltas:
+            if c.error is not None:
+                yield event("error", _error_payload(c.error))
+                yield DONE
+                return
+            if out.text or out.token_ids:
+                delta = {**loc, "delta": out.text, "logprobs": _logprobs(ctx, out.logprobs)}
+                yield event("response.output_text.delta", delta)
+            if out.finished:
+                final = c
     if final is None:
         return
     logprobs = _logprobs(ctx, final.logprobs)
@@ -220,20 +223,21 @@ async def _tool_events(
     jobs: list[Job],
     resp_id: str,
     event: Any,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """With tools: each step's text is parsed as it arrives; a text run streams as a
     message, a call as a ``function_call`` item whose arguments come in pieces."""
     items = ResponseToolItems(ctx.request_id)
     final: Choice | None = None
-    async for c, out in serving.stream(jobs, ctx.started):
-        if c.error is not None:
-            yield event("error", _error_payload(c.error))
-            yield DONE
-            return
-        for kind, payload in items.feed(out.text, out.finished):
-            yield event(kind, payload)
-        if out.finished:
-            final = c
+    async with aclosing(serving.stream(jobs, ctx.started)) as deltas:
+        async for c, out in deltas:
+            if c.error is not None:
+                yield event("error", _error_payload(c.error))
+                yield DONE
+                return
+            for kind, payload in items.feed(out.text, out.finished):
+                yield event(kind, payload)
+            if out.finished:
+                final = c
     if final is None:
         return
     yield _completed(ctx, parsed, resp_id, items.items, final, event)

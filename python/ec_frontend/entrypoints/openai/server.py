@@ -16,7 +16,8 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -268,7 +269,7 @@ class App:
     def json(body: bytes, status: int = 200) -> Response:
         return Response(body, status_code=status, media_type=_JSON)
 
-    def sse(self, gen: AsyncIterator[bytes], jobs: list[Job]) -> EventStream:
+    def sse(self, gen: AsyncGenerator[bytes, None], jobs: list[Job]) -> EventStream:
         """A stream of ``gen``; the ids of ``jobs`` are released even if it never starts."""
         return EventStream(_guarded(gen), BackgroundTask(self._release, jobs))
 
@@ -407,15 +408,20 @@ def _client(request: Request) -> str:
     return peer.host if peer is not None and peer.host else "unknown"
 
 
-async def _guarded(gen: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
-    """A stream that ends with an error event and ``[DONE]`` instead of breaking off."""
-    try:
-        async for chunk in gen:
-            yield chunk
-    except Exception as exc:
-        err = to_api_error(_status_of(exc))
-        yield b"data: " + error_body(err.status, err.message, err.param, err.code) + b"\n\n"
-        yield DONE
+async def _guarded(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """A stream that ends with an error event and ``[DONE]`` instead of breaking off.
+
+    Closing it closes ``gen`` at once (and so aborts its engine requests): a generator
+    closed at its ``yield`` does not close the one it was iterating.
+    """
+    async with aclosing(gen):
+        try:
+            async for chunk in gen:
+                yield chunk
+        except Exception as exc:
+            err = to_api_error(_status_of(exc))
+            yield b"data: " + error_body(err.status, err.message, err.param, err.code) + b"\n\n"
+            yield DONE
 
 
 async def _offloop_if_large(fn: Callable[[ParsedRequest, bytes], T], parsed: ParsedRequest,
