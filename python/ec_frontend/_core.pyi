@@ -138,6 +138,12 @@ class MediaItem:
         it beside its grid (vLLM's ``second_per_grid_ts``: Qwen2.5-VL's absolute time;
         a finite number in ``(0, 86400]``); ``None`` when the reference has none, and
         for any other item."""
+    @property
+    def timestamps(self) -> list[float] | None:
+        """The time in seconds of each temporal patch, as a ``video_embeds`` reference
+        carries them beside its grid (vLLM's ``timestamps``, which Qwen3-VL writes into
+        the prompt: one per patch of the grid's ``t``, each in ``[0, 86400]``); ``None``
+        when the reference has none, and for any other item."""
     def __len__(self) -> int: ...
 
 @final

@@ -17,7 +17,6 @@ stays an image alone in its prompt (anyres tiles), as ``transformers`` and vLLM
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,11 +38,11 @@ from transformers.image_utils import PILImageResampling
 from ..helpers.processes import Proc
 from ..helpers.video import frame_rgb, make_clip
 from .conftest import LLAVA_IMAGE_SIZE, image_bytes, write_llava_onevision
-from .flows import deployment
 from .video_flows import (
     Case,
     chat,
     check_served,
+    deployment_fixtures,
     hf_generate,
     process,
     ref_inputs,
@@ -65,18 +64,8 @@ CASES: dict[str, Case] = {
 reference, hf_model, ours, _ = video_fixtures(
     CASES, LlavaOnevisionForConditionalGeneration, "llava_onevision"
 )
-
-
-@pytest.fixture(scope="module")
-def dep(model_dir: Path) -> Iterator[dict[str, Proc]]:
-    """Aggregated, E+PD and E+P+D behind ``ec-frontend proxy`` (``flows.deployment``)."""
-    with deployment(model_dir) as procs:
-        yield procs
-
-
-@pytest.fixture(scope="module")
-def server(dep: dict[str, Proc]) -> Proc:
-    return dep["agg"]
+# Aggregated, E+PD and E+P+D behind ``ec-frontend proxy``; the aggregated server is its.
+dep, server = deployment_fixtures()
 
 
 @pytest.fixture(scope="module")

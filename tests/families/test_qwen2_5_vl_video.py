@@ -23,11 +23,9 @@ connector: the same positions, the same tokens, no video decoded there.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from ec_frontend.connectors.ec_item_params import item_fields
@@ -38,18 +36,18 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from ..helpers.processes import Proc
 from ..helpers.video import make_clip
 from .conftest import image_bytes, write_qwen2_5_vl
-from .flows import deployment
 from .video_flows import (
     Case,
     Media,
     VideoReference,
-    chat,
     check_image_and_rope_index,
+    check_only_the_encoder_decodes,
+    check_reference_refused,
     check_served,
+    deployment_fixtures,
     process,
     ref_inputs,
     template_messages,
-    video_data_url,
     video_fixtures,
     write_qwen2_video_config,
 )
@@ -62,10 +60,11 @@ CASES: dict[str, Case] = {
     "image+video": (True, None, "Compare the picture with the clip."),
 }
 
-# The aggregated server is the deployment's (``server`` below).
 reference, hf_model, ours, _ = video_fixtures(
     CASES, Qwen2_5_VLForConditionalGeneration, "qwen2_5_vl"
 )
+# The aggregated server is the deployment's.
+dep, server = deployment_fixtures()
 
 
 @pytest.fixture(scope="module")
@@ -184,19 +183,6 @@ def test_a_reference_without_usable_frame_times_is_a_400_naming_the_field(
     assert words in str(exc.value)
 
 
-@pytest.fixture(scope="module")
-def dep(model_dir: Path) -> Iterator[dict[str, Proc]]:
-    """``agg``, and the encoder ``e``, ``pd`` and ``d`` behind ``ec-frontend proxy`` as
-    ``E+PD`` and ``E+P+D`` (:func:`flows.deployment`)."""
-    with deployment(model_dir) as procs:
-        yield procs
-
-
-@pytest.fixture(scope="module")
-def server(dep: dict[str, Proc]) -> Proc:
-    return dep["agg"]
-
-
 @pytest.mark.parametrize("topology", ["E+PD", "E+P+D"])
 @pytest.mark.parametrize("name", CASES)
 def test_served_through_each_proxy_topology_matches_transformers_generate(
@@ -220,36 +206,8 @@ def test_only_the_encoder_decodes_and_encodes_the_video(
     """A fresh sampling of the clip through both topologies: the encoder decodes and
     encodes it, ``pd`` loads it through the EC connector, and neither ``pd`` nor ``d``
     decodes a video or computes an encoder item."""
-    case: Case = (False, {"num_frames": 6}, "And now?")
-    before = {n: dep[n].metrics() for n in ("e", "pd", "d")}
-    for topology in ("E+PD", "E+P+D"):
-        r = chat(dep[topology], case, video_data_url(clip), png)
-        assert r.choices[0].finish_reason in ("stop", "length")
-
-    def delta(name: str, metric: str) -> float:
-        key = "ec_frontend_" + metric
-        return dep[name].metrics().get(key, 0.0) - before[name].get(key, 0.0)
-
-    assert delta("e", "videos_decoded_total") >= 1
-    assert delta("e", "encoder_items_computed_total") == 1
-    assert delta("pd", "ec_items_loaded_total") >= 1
-    for name in ("pd", "d"):
-        for metric in ("encoder_items_computed_total", "videos_decoded_total"):
-            assert dep[name].metrics().get("ec_frontend_" + metric, 0.0) == 0, (name, metric)
-    assert delta("pd", "ec_load_fallbacks_total") == 0
+    check_only_the_encoder_decodes(dep, (False, {"num_frames": 6}, "And now?"), clip, png, 1)
 
 
 def test_a_reference_without_frame_times_is_a_400_from_the_server(dep: dict[str, Proc]) -> None:
-    """What vLLM's proxy would send for an encoder that published only the grid: ``pd``
-    answers 400 ``invalid_video_embeds`` naming ``second_per_grid_ts`` and stays
-    healthy."""
-    part = {"type": "video_embeds", "video_embeds": {"video_grid_thw": [4, 4, 6]},
-            "uuid": "never-encoded"}  # fmt: skip
-    content = [part, {"type": "text", "text": "x"}]
-    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
-    r = httpx.post(dep["pd"].url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["code"] == "invalid_video_embeds", error
-    assert error["param"] == "messages[0].content[0].video_embeds.second_per_grid_ts", error
-    assert httpx.get(dep["pd"].url + "/health", timeout=10).status_code == 200
+    check_reference_refused(dep["pd"], {"video_grid_thw": [4, 4, 6]}, "second_per_grid_ts")

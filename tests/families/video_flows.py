@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -37,6 +38,7 @@ from ..disagg.conftest import serve
 from ..helpers.processes import Proc, start_all
 from ..helpers.torchvision import torchvision_env
 from .conftest import data_url
+from .flows import deployment
 
 MAX_TOKENS = 8
 #: A case: (with an image before the video, media_io_kwargs["video"] or None, text).
@@ -56,18 +58,36 @@ class Media:
 @dataclass(frozen=True, slots=True)
 class VideoReference:
     """A ``video_embeds`` reference as the processor reads it (the native item's
-    ``video_grid_thw`` and ``second_per_grid_ts``, no bytes)."""
+    ``video_grid_thw``, ``second_per_grid_ts`` and ``timestamps``, no bytes)."""
 
     mm_hash: str
     video_grid_thw: tuple[int, ...]
     second_per_grid_ts: float | None
     data: bytes | None = None
     param: str = "messages[0].content[0].video_embeds"
+    timestamps: list[float] | None = None
 
 
 def write_video_config(directory: Path, **config: Any) -> None:
     """The checkpoint's ``video_preprocessor_config.json`` (transformers' keys)."""
     (directory / "video_preprocessor_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+def write_qwen3_video_config(directory: Path) -> None:
+    """transformers' ``Qwen3VLVideoProcessor`` config for the tiny Qwen3-VL (16-pixel
+    patches, mean and std 0.5, a pixel range over all the frames of a video)."""
+    write_video_config(
+        directory,
+        video_processor_type="Qwen3VLVideoProcessor",
+        size={"shortest_edge": 4096, "longest_edge": 65536},
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        rescale_factor=1 / 255,
+        resample=3,
+    )
 
 
 def write_qwen2_video_config(directory: Path) -> None:
@@ -262,3 +282,61 @@ def video_fixtures(cases: dict[str, Case], hf_class: Any, family: str | None = N
             proc.stop()
 
     return reference, hf_model, ours, server
+
+
+def deployment_fixtures() -> Any:
+    """The module fixtures of a family's disaggregated video test, on its module's
+    ``model_dir``: ``dep`` (``agg``, and the encoder ``e``, ``pd`` and ``d`` behind
+    ``ec-frontend proxy`` as ``E+PD`` and ``E+P+D``: :func:`flows.deployment`) and
+    ``server`` (its ``agg``)."""
+
+    @pytest.fixture(scope="module")
+    def dep(model_dir: Path) -> Iterator[dict[str, Proc]]:
+        with deployment(model_dir) as procs:
+            yield procs
+
+    @pytest.fixture(scope="module")
+    def server(dep: dict[str, Proc]) -> Proc:
+        return dep["agg"]
+
+    return dep, server
+
+
+def check_only_the_encoder_decodes(
+    dep: dict[str, Proc], case: Case, clip: bytes, png: bytes, items: int
+) -> None:
+    """``case`` (a sampling not sent before) through both topologies: the encoder
+    decodes the video and computes its ``items`` encoder items once, ``pd`` loads them
+    through the EC connector, and neither ``pd`` nor ``d`` decodes a video or
+    computes an item."""
+    before = {n: dep[n].metrics() for n in ("e", "pd", "d")}
+    for topology in ("E+PD", "E+P+D"):
+        r = chat(dep[topology], case, video_data_url(clip), png)
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+    def delta(name: str, metric: str) -> float:
+        key = "ec_frontend_" + metric
+        return dep[name].metrics().get(key, 0.0) - before[name].get(key, 0.0)
+
+    assert delta("e", "videos_decoded_total") >= 1
+    assert delta("e", "encoder_items_computed_total") == items
+    assert delta("pd", "ec_items_loaded_total") >= items
+    for name in ("pd", "d"):
+        for metric in ("encoder_items_computed_total", "videos_decoded_total"):
+            assert dep[name].metrics().get("ec_frontend_" + metric, 0.0) == 0, (name, metric)
+    assert delta("pd", "ec_load_fallbacks_total") == 0
+
+
+def check_reference_refused(pd: Proc, video_embeds: dict[str, Any], field: str) -> None:
+    """A ``video_embeds`` reference without ``field`` (what vLLM's proxy would send for
+    an encoder that published only the grid): ``pd`` answers 400
+    ``invalid_video_embeds`` naming it and stays healthy."""
+    part = {"type": "video_embeds", "video_embeds": video_embeds, "uuid": "never-encoded"}
+    content = [part, {"type": "text", "text": "x"}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(pd.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_video_embeds", error
+    assert error["param"] == f"messages[0].content[0].video_embeds.{field}", error
+    assert httpx.get(pd.url + "/health", timeout=10).status_code == 200

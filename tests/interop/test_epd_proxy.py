@@ -35,8 +35,8 @@ from ..disagg.conftest import (
     side_channel_ec,
     side_channel_kv,
 )
-from ..families.conftest import write_llava_onevision, write_qwen2_5_vl
-from ..families.video_flows import write_qwen2_video_config
+from ..families.conftest import write_llava_onevision, write_qwen2_5_vl, write_qwen3_vl
+from ..families.video_flows import write_qwen2_video_config, write_qwen3_video_config
 from ..helpers.processes import start_all, stop_all
 from ..helpers.video import make_clip
 from .conftest import MODEL_NAME, VllmScript
@@ -291,36 +291,13 @@ def videos_taken(instance: Any) -> float:
     return instance.metric("videos_decoded_total") + instance.metric("video_cache_hits_total")
 
 
-@pytest.fixture(scope="module")
-def qwen2_5(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
-    """A tiny Qwen2.5-VL (``tokens_per_second`` 2) as an encoder and a PD instance over
-    the side channel, behind vLLM's proxy, unmodified."""
-    m = write_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
-    write_qwen2_video_config(m)
+def behind_vllms_proxy(vllm_python: Path, model_dir: Path, prefix: str) -> Iterator[dict[str, Any]]:
+    """An encoder ``e`` and a PD instance ``pd`` of ``model_dir`` over the side channel,
+    behind vLLM's proxy, unmodified (its start, vLLM's imports, overlaps theirs)."""
     procs = {
-        "e": serve(m, "e25", ec=side_channel_ec("ec_producer")),
-        "pd": serve(m, "pd25", ec=side_channel_ec("ec_consumer")),
+        "e": serve(model_dir, f"{prefix}_e", ec=side_channel_ec("ec_producer")),
+        "pd": serve(model_dir, f"{prefix}_pd", ec=side_channel_ec("ec_consumer")),
     }
-    start_all(list(procs.values()))
-    front = vllm_proxy(vllm_python, procs["e"].url, procs["pd"].url)
-    try:
-        front.wait_ready()
-        yield {**procs, "proxy": front}
-    finally:
-        front.stop()
-        stop_all(list(procs.values()))
-
-
-@pytest.fixture(scope="module")
-def onevision(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
-    """LLaVA-OneVision (the family's tiny checkpoint): E+PD over the side channels
-    behind vLLM's proxy."""
-    m = write_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
-    procs = {
-        "e": serve(m, "ov_e", ec=side_channel_ec("ec_producer")),
-        "pd": serve(m, "ov_pd", ec=side_channel_ec("ec_consumer")),
-    }
-    # The proxy's start (vLLM's imports) overlaps the instances'.
     front = vllm_proxy(vllm_python, procs["e"].url, procs["pd"].url)
     try:
         start_all(list(procs.values()))
@@ -329,6 +306,30 @@ def onevision(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, An
     finally:
         front.stop()
         stop_all(list(procs.values()))
+
+
+@pytest.fixture(scope="module")
+def qwen2_5(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """A tiny Qwen2.5-VL (``tokens_per_second`` 2) behind vLLM's proxy."""
+    m = write_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    write_qwen2_video_config(m)
+    yield from behind_vllms_proxy(vllm_python, m, "q25")
+
+
+@pytest.fixture(scope="module")
+def qwen3(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """A tiny Qwen3-VL (a video is an item per temporal patch, each after its time in
+    the prompt) behind vLLM's proxy."""
+    m = write_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
+    write_qwen3_video_config(m)
+    yield from behind_vllms_proxy(vllm_python, m, "q3")
+
+
+@pytest.fixture(scope="module")
+def onevision(vllm_python: Path, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """LLaVA-OneVision (the family's tiny checkpoint) behind vLLM's proxy."""
+    m = write_llava_onevision(tmp_path_factory.mktemp("llava_onevision"))
+    yield from behind_vllms_proxy(vllm_python, m, "ov")
 
 
 @pytest.mark.parametrize("prompt", list(VIDEO_PROMPTS))
@@ -349,6 +350,32 @@ def test_qwen2_5_vl_video_through_vllms_proxy_carries_its_frame_times(
     assert rewrote in front.log()
     assert e.metric("videos_decoded_total") == decoded + 1
     assert {m: pd.metric(m) for m in metrics} == before, pd.log()[-2000:]
+    assert got == ask_video(pd.url, prompt), front.log()[-2000:]
+    assert pd.metric("videos_decoded_total") == before["videos_decoded_total"] + 1
+
+
+@pytest.mark.parametrize("prompt", list(VIDEO_PROMPTS))
+def test_qwen3_vl_video_through_vllms_proxy_carries_its_patch_times(
+    qwen3: dict[str, Any], prompt: str
+) -> None:
+    """The encoder publishes the video as one entry (vLLM's proxy matches one per item
+    it sent; one per temporal patch made it answer 502): ``video_grid_thw`` and
+    ``timestamps`` as metadata, the patch items' entries under it. The proxy copies
+    both keys into the ``video_embeds`` reference and the entry into PD's
+    ``ec_transfer_params``; PD writes each patch's time from them and loads every
+    patch, decoding and encoding nothing: its answer is the one it gives when it is
+    sent the video itself and decodes it."""
+    e, pd, front = qwen3["e"], qwen3["pd"], qwen3["proxy"]
+    metrics = ("videos_decoded_total", "encoder_items_computed_total", "ec_load_fallbacks_total")
+    before = {m: pd.metric(m) for m in metrics}
+    loaded = pd.metric("ec_items_loaded_total")
+    decoded = e.metric("videos_decoded_total")
+    got = ask_video(front.url, prompt)
+    rewrote = f"Rewrote {len(VIDEO_PROMPTS[prompt][0])} media item(s) as metadata references"
+    assert rewrote in front.log()
+    assert e.metric("videos_decoded_total") == decoded + 1
+    assert {m: pd.metric(m) for m in metrics} == before, pd.log()[-2000:]
+    assert pd.metric("ec_items_loaded_total") > loaded
     assert got == ask_video(pd.url, prompt), front.log()[-2000:]
     assert pd.metric("videos_decoded_total") == before["videos_decoded_total"] + 1
 

@@ -549,12 +549,17 @@ class EngineServer:
         builder = getattr(self.core, "build_inputs", None)
         if builder is not None:
             return builder(data)
-        from ec_frontend.model.processor import MultiModalFeature, ProcessedInputs
+        from ec_frontend.model.processor import MultiModalFeature, ProcessedInputs, VideoPatches
+
+        def feature(packed: dict[str, Any]) -> MultiModalFeature:
+            fields = unpack_fields(packed)
+            whole = fields.get("video_patch_of")
+            if isinstance(whole, dict):
+                fields["video_patch_of"] = VideoPatches(**unpack_fields(whole))
+            return MultiModalFeature(**fields)
 
         kwargs = unpack_fields(data)
-        kwargs["mm_features"] = [
-            MultiModalFeature(**unpack_fields(f)) for f in kwargs.get("mm_features") or []
-        ]
+        kwargs["mm_features"] = [feature(f) for f in kwargs.get("mm_features") or []]
         return ProcessedInputs(**kwargs)
 
     def _params(self, data: dict[str, Any]) -> SamplingParams:

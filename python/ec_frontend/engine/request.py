@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ec_frontend.connectors.ec_item_params import flatten_video_patches
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.types import JSONObject
 
@@ -107,7 +108,10 @@ class Request:
         #: Structured-output matcher state, advanced from ``output_token_ids``.
         self.grammar: GrammarState | None = grammar.new_state() if grammar is not None else None
         self.kv_transfer_params = _extra_arg(sampling_params, "kv_transfer_params")
-        self.ec_transfer_params = _extra_arg(sampling_params, "ec_transfer_params")
+        #: A whole video's entry brings its patch items' entries to the top level.
+        self.ec_transfer_params = flatten_video_patches(
+            _extra_arg(sampling_params, "ec_transfer_params")
+        )
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

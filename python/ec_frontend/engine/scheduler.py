@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ec_frontend.connectors.ec_item_params import group_video_patches
 from ec_frontend.engine.encoder_planner import EncoderInputPlanner, EncoderPlan
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from ec_frontend.engine.request import Request, RequestStatus
@@ -179,6 +180,8 @@ class Scheduler:
         ec_delay, ec_params = False, None
         if self.ec_connector is not None:
             ec_delay, ec_params = self.ec_connector.request_finished(request)
+            if isinstance(ec_params, dict):
+                ec_params = group_video_patches(ec_params, request.mm_features)
 
         if kv_delay:
             self._kv_delayed[rid] = request

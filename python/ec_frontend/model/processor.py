@@ -74,6 +74,18 @@ class MediaLike(Protocol):
     def mm_hash(self) -> str: ...
 
 
+@dataclass(frozen=True, slots=True)
+class VideoPatches:
+    """The video a Qwen3-VL temporal patch item belongs to: the video's ``mm_hash``,
+    its ``[t, h, w]`` grid and the time of each of its ``t`` patches (what a
+    ``video_embeds`` reference to the whole video carries), and which patch this is."""
+
+    mm_hash: str
+    grid: tuple[int, int, int]
+    times: tuple[float, ...]
+    patch: int
+
+
 @dataclass(slots=True)
 class MultiModalFeature:
     """One image of a prompt.
@@ -104,6 +116,9 @@ class MultiModalFeature:
     #: A video's seconds per temporal patch, where its M-RoPE positions use absolute
     #: time (Qwen2.5-VL); a reference to it carries this beside its grid.
     second_per_grid_ts: float | None = None
+    #: For one temporal patch of a video split into patch items (Qwen3-VL): the video.
+    #: Its items are published as one entry for the whole video (``ec_item_params``).
+    video_patch_of: VideoPatches | None = None
 
 
 @dataclass(slots=True)
@@ -495,7 +510,8 @@ class InputProcessor:
             seconds = self._reference_seconds(
                 getattr(item, "second_per_grid_ts", None), index, param
             )
-            return _Video(item.mm_hash, grid, None, [], 0, 0.0, seconds)
+            times = self._reference_times(getattr(item, "timestamps", None), index, param)
+            return _Video(item.mm_hash, grid, None, [], 0, 0.0, seconds, times)
         cache, key = self.video_cache, None
         if cache is not None and item.data is not None:
             pixel_range = None if size is None else tuple(sorted(size.items()))
@@ -535,28 +551,66 @@ class InputProcessor:
         temporal patch), refused where they do not (Qwen2-VL). 400
         ``invalid_video_embeds`` naming the field otherwise."""
         rule = self.video_rule
-        field = "video_embeds.second_per_grid_ts"
-        at = None if param is None else f"{param}.second_per_grid_ts"
-        problem = None
-        if not rule.ABSOLUTE_TIME:
-            if seconds is not None:
-                problem = f"{field} is given, but this model's video positions take no frame times"
-        elif seconds is None:
-            problem = (
-                f"{field} is missing: this model places a video by its frame times, so a "
-                "reference needs the seconds per temporal patch its encoder reported beside "
-                "video_grid_thw"
-            )
-        else:
+        over = None
+        if rule.ABSOLUTE_TIME and seconds is not None:
             most = rule.temporal_patch_size * self.video_limits.max_duration_s
             if seconds > most:
-                problem = (
-                    f"{field} {seconds} is over {most} seconds, the most a video within "
-                    "--max-video-duration gives"
-                )
-        if problem is not None:
-            raise InputError(f"video {index}: {problem}", code="invalid_video_embeds", param=at)
+                limit = "the most a video within --max-video-duration gives"
+                over = f"{seconds} is over {most} seconds, {limit}"
+        self._check_reference_field(
+            "second_per_grid_ts", seconds, rule.ABSOLUTE_TIME, over, index, param,
+            unused="this model's video positions take no frame times",
+            needed="this model places a video by its frame times, so a reference needs the "
+            "seconds per temporal patch its encoder reported beside video_grid_thw",
+        )  # fmt: skip
         return seconds
+
+    def _reference_times(
+        self, times: Sequence[float] | None, index: int, param: str | None
+    ) -> tuple[float, ...] | None:
+        """The ``timestamps`` of a ``video_embeds`` reference (one per temporal patch of
+        its grid, checked by the parser), as this model's rule needs them: required
+        where the prompt carries each patch's time (Qwen3-VL), each within
+        ``--max-video-duration``; refused where it does not. 400
+        ``invalid_video_embeds`` naming the field otherwise."""
+        most = self.video_limits.max_duration_s
+        late = next((t for t in times if t > most), None) if times is not None else None
+        over = (
+            None if late is None else f"holds {late}, over {most:g} seconds (--max-video-duration)"
+        )
+        self._check_reference_field(
+            "timestamps", times, self.video_rule.TIMESTAMPS, over, index, param,
+            unused="this model's prompts take no frame times",
+            needed="this model writes each temporal patch's time into the prompt, so a "
+            "reference needs the times its encoder reported beside video_grid_thw",
+        )  # fmt: skip
+        return None if times is None else tuple(float(t) for t in times)
+
+    @staticmethod
+    def _check_reference_field(
+        name: str,
+        value: object,
+        takes: bool,
+        over: str | None,
+        index: int,
+        param: str | None,
+        *,
+        unused: str,
+        needed: str,
+    ) -> None:
+        """400 ``invalid_video_embeds`` naming ``video_embeds.<name>`` when the field is
+        given to a model that ``takes`` none (``unused``), missing where it does
+        (``needed``), or out of bounds (``over``, said after the field's name)."""
+        field = f"video_embeds.{name}"
+        if not takes:
+            problem = None if value is None else f"{field} is given, but {unused}"
+        elif value is None:
+            problem = f"{field} is missing: {needed}"
+        else:
+            problem = None if over is None else f"{field} {over}"
+        if problem is not None:
+            at = None if param is None else f"{param}.{name}"
+            raise InputError(f"video {index}: {problem}", code="invalid_video_embeds", param=at)
 
     def _place_video(
         self,
@@ -588,14 +642,17 @@ class InputProcessor:
             return
         start, end = self._vision_markers()
         rows = h * w
-        for k, seconds in enumerate(rule.patch_times(video.indices, video.fps)):
+        times = video.times
+        if times is None:
+            times = tuple(rule.patch_times(video.indices, video.fps))
+        for k, seconds in enumerate(times):
             out_ids.extend(self._encode(f"<{seconds:.1f} seconds>"))
             out_ids.append(start)
             pixels = None if video.pixels is None else video.pixels[k * rows : (k + 1) * rows]
             mm_hash = video_patch_hash(video.mm_hash, k)
-            features.append(
-                MultiModalFeature(mm_hash, len(out_ids), rows // merge**2, (1, h, w), pixels)
-            )
+            feature = MultiModalFeature(mm_hash, len(out_ids), rows // merge**2, (1, h, w), pixels)
+            feature.video_patch_of = VideoPatches(video.mm_hash, video.grid, times, k)
+            features.append(feature)
             out_ids.extend([token] * (rows // merge**2))
             out_ids.append(end)
 
@@ -709,6 +766,8 @@ class _Video:
     total: int
     fps: float
     seconds: float | None = None
+    #: A reference's time of each temporal patch (Qwen3-VL); else from the sampling.
+    times: tuple[float, ...] | None = None
 
 
 def video_patch_hash(mm_hash: str, patch: int) -> str:

@@ -169,13 +169,9 @@ class QwenVideoRule:
         cannot come from this rule (``None``: it can): at most ``max_frames`` frames in
         temporal patches, sides that are multiples of the merge size, and at most the
         rule's ``max_pixels`` (or ``size``'s) per frame. (Absolute time, Qwen2.5-VL's,
-        comes beside the grid as ``second_per_grid_ts``; the processor checks it.)"""
+        comes beside the grid as ``second_per_grid_ts``, and Qwen3-VL's patch times as
+        ``timestamps``; the processor checks them.)"""
         t, h, w = grid
-        if self.TIMESTAMPS:
-            return (
-                "this model's video positions need the video's frame timestamps, which a "
-                "video_embeds reference does not carry"
-            )
         high = self.max_pixels if size is None else int(size.get("longest_edge", self.max_pixels))
         most = -(-max_frames // self.temporal_patch_size)
         if t > most:

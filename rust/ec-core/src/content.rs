@@ -247,24 +247,32 @@ pub const MAX_GRID_SIDE: i64 = 1 << 16;
 pub const MAX_SECOND_PER_GRID_T: f64 = 86_400.0;
 
 /// What a metadata-only reference says about its item.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EmbedsMeta {
     /// The `[t, h, w]` patch grid its encoder reported.
     pub grid_thw: [u32; 3],
     /// A video's seconds per temporal patch (vLLM's `second_per_grid_ts`), when given.
     pub second_per_grid_ts: Option<f64>,
+    /// A video's time of each temporal patch in seconds (vLLM's `timestamps`, which
+    /// Qwen3-VL writes into the prompt), when given: `t` of them.
+    pub timestamps: Option<Vec<f64>>,
 }
 
 /// The metadata of an `image_embeds` (`video_embeds`) part: an object holding
 /// `image_grid_thw` (`video_grid_thw`): three positive integers, or one such triple in
 /// a list; a video's may also hold `second_per_grid_ts`: one finite number in
 /// `(0, MAX_SECOND_PER_GRID_T]`, or that number in a one-element list (vLLM's per-item
-/// shape). Nothing else. Embedding tensors (a base64 string) are refused: the output
-/// must come through the connector.
+/// shape), and `timestamps`: one finite number in `[0, MAX_SECOND_PER_GRID_T]` per
+/// temporal patch (`t` of them). Nothing else. Embedding tensors (a base64 string) are
+/// refused: the output must come through the connector.
 fn embeds_meta(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Result<EmbedsMeta> {
-    let (field, key, extra) = match kind {
-        MediaKind::Image => ("image_embeds", "image_grid_thw", None),
-        MediaKind::Video => ("video_embeds", "video_grid_thw", Some(SECOND_PER_GRID_TS)),
+    let (field, key, extras): (_, _, &[&str]) = match kind {
+        MediaKind::Image => ("image_embeds", "image_grid_thw", &[]),
+        MediaKind::Video => (
+            "video_embeds",
+            "video_grid_thw",
+            &[SECOND_PER_GRID_TS, TIMESTAMPS],
+        ),
     };
     let v = present(v).ok_or_else(|| missing(path))?;
     let members = match v {
@@ -283,11 +291,12 @@ fn embeds_meta(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Resul
     };
     if let Some((name, _)) = members
         .iter()
-        .find(|(k, _)| k != key && Some(k.as_ref()) != extra)
+        .find(|(k, _)| k != key && !extras.contains(&k.as_ref()))
     {
-        let expected = match extra {
-            Some(extra) => format!("{key} and optionally {extra}"),
-            None => format!("only {key}"),
+        let expected = if extras.is_empty() {
+            format!("only {key}")
+        } else {
+            format!("{key} and optionally {}", extras.join(", "))
         };
         return Err(value_error(
             path,
@@ -297,19 +306,61 @@ fn embeds_meta(v: Option<&Value<'_>>, path: &Path<'_>, kind: MediaKind) -> Resul
             ),
         ));
     }
-    let second_per_grid_ts = match extra {
-        Some(extra) => present(v.get(extra))
-            .map(|s| seconds_per_patch(s, &path.key(extra)))
+    let grid_thw = embeds_grid(v, &path.key(key), key)?;
+    let second_per_grid_ts = match kind {
+        MediaKind::Video => present(v.get(SECOND_PER_GRID_TS))
+            .map(|s| seconds_per_patch(s, &path.key(SECOND_PER_GRID_TS)))
             .transpose()?,
-        None => None,
+        MediaKind::Image => None,
+    };
+    let timestamps = match kind {
+        MediaKind::Video => present(v.get(TIMESTAMPS))
+            .map(|s| patch_times(s, &path.key(TIMESTAMPS), grid_thw[0]))
+            .transpose()?,
+        MediaKind::Image => None,
     };
     Ok(EmbedsMeta {
-        grid_thw: embeds_grid(v, &path.key(key), key)?,
+        grid_thw,
         second_per_grid_ts,
+        timestamps,
     })
 }
 
 const SECOND_PER_GRID_TS: &str = "second_per_grid_ts";
+const TIMESTAMPS: &str = "timestamps";
+
+/// A video reference's `timestamps`: a list of `t` JSON numbers (the grid's temporal
+/// patches), each finite and in `[0, MAX_SECOND_PER_GRID_T]`.
+fn patch_times(v: &Value<'_>, path: &Path<'_>, t: u32) -> Result<Vec<f64>> {
+    let values = array(v, path)?;
+    if values.len() != t as usize {
+        return Err(value_error(
+            path,
+            format!(
+                "'{TIMESTAMPS}' must hold one time per temporal patch: {t} (the grid's t), got {}",
+                values.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(values.len());
+    for (i, value) in values.iter().enumerate() {
+        let at = path.index(i);
+        let seconds = match value {
+            Value::Number(Number::Int(i)) => *i as f64,
+            Value::Number(Number::UInt(u)) => *u as f64,
+            Value::Number(Number::Float(f)) => *f,
+            other => return Err(type_error(&at, "a number", other)),
+        };
+        if !(seconds.is_finite() && (0.0..=MAX_SECOND_PER_GRID_T).contains(&seconds)) {
+            return Err(range_error(
+                &at,
+                format!("'{at}' must be in [0, {MAX_SECOND_PER_GRID_T}] seconds, got {seconds}"),
+            ));
+        }
+        out.push(seconds);
+    }
+    Ok(out)
+}
 
 /// The grid under `key` of a reference's metadata `v`.
 fn embeds_grid(v: &Value<'_>, gp: &Path<'_>, key: &str) -> Result<[u32; 3]> {

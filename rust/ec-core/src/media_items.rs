@@ -111,6 +111,7 @@ impl<'l> MediaCollector<'l> {
                 param: item_path.render(),
                 grid_thw: None,
                 second_per_grid_ts: None,
+                timestamps: None,
             }
         } else {
             // A URL reference: the server fetches http(s) URLs, and reads file:// URLs
@@ -142,6 +143,7 @@ impl<'l> MediaCollector<'l> {
                 param: item_path.render(),
                 grid_thw: None,
                 second_per_grid_ts: None,
+                timestamps: None,
             }
         };
         self.items.push(item);
@@ -173,6 +175,7 @@ impl<'l> MediaCollector<'l> {
             param: item_path.render(),
             grid_thw: Some(meta.grid_thw),
             second_per_grid_ts: meta.second_per_grid_ts,
+            timestamps: meta.timestamps,
         });
         Ok(self.items.len() - 1)
     }

@@ -206,6 +206,10 @@ pub struct MediaItem {
     /// finite number in `(0, MAX_SECOND_PER_GRID_T]`. Whether a model needs it, or
     /// refuses it, is the model's to say.
     pub second_per_grid_ts: Option<f64>,
+    /// For a `video_embeds` reference that carries them: the time of each temporal
+    /// patch in seconds (vLLM's `timestamps`, which Qwen3-VL writes into the prompt),
+    /// one per patch of the grid's `t`. Whether a model needs them is the model's to say.
+    pub timestamps: Option<Vec<f64>>,
 }
 
 impl MediaItem {

@@ -78,7 +78,7 @@ fn malformed_parts_are_refused_naming_the_field() {
             format!("{base}.video_embeds"),
         ),
         (
-            r#"{"type":"video_embeds","video_embeds":{"video_grid_thw":[2,4,6],"timestamps":[0]},"uuid":"u"}"#
+            r#"{"type":"video_embeds","video_embeds":{"video_grid_thw":[2,4,6],"fps":[2]},"uuid":"u"}"#
                 .into(),
             format!("{base}.video_embeds"),
         ),
@@ -168,6 +168,66 @@ fn bad_second_per_grid_ts_is_refused_naming_it() {
     }
     // Only a video reference takes it.
     let image = r#"{"type":"image_embeds","image_embeds":{"image_grid_thw":[1,4,6],"second_per_grid_ts":0.5},"uuid":"u"}"#;
+    let err = parse(Endpoint::Chat, &chat(image, "")).expect_err(image);
+    assert_eq!(err.param(), Some("messages[0].content[1].image_embeds"));
+}
+
+/// A `video_embeds` part with `timestamps` (`times`, raw JSON) beside its grid.
+fn stamped(grid: &str, times: &str) -> String {
+    format!(
+        r#"{{"type":"video_embeds","video_embeds":{{"video_grid_thw":{grid},"timestamps":{times}}},"uuid":"v-1"}}"#
+    )
+}
+
+#[test]
+fn timestamps_are_read_one_per_temporal_patch_and_stay_out_of_the_key() {
+    let bare = ok(Endpoint::Chat, &chat(&embeds("v-1", "[3, 4, 6]"), ""));
+    assert_eq!(bare.media[0].timestamps, None);
+    for (raw, want) in [
+        ("[0.25, 1.5, 2]", vec![0.25, 1.5, 2.0]),
+        ("[0, 0, 86400]", vec![0.0, 0.0, 86_400.0]),
+    ] {
+        let parsed = ok(Endpoint::Chat, &chat(&stamped("[3, 4, 6]", raw), ""));
+        let item = &parsed.media[0];
+        assert_eq!(item.timestamps.as_deref(), Some(want.as_slice()), "{raw}");
+        assert_eq!(item.grid_thw, Some([3, 4, 6]));
+        assert_eq!(
+            item.mm_hash, bare.media[0].mm_hash,
+            "the times are not in the key"
+        );
+    }
+    let null = ok(Endpoint::Chat, &chat(&stamped("[3, 4, 6]", "null"), ""));
+    assert_eq!(null.media[0].timestamps, None);
+    // Beside second_per_grid_ts, the keys in any order (the model says which it takes).
+    let both = r#"{"type":"video_embeds","video_embeds":{"timestamps":[0.5],"second_per_grid_ts":[1.0],"video_grid_thw":[[1,4,6]]},"uuid":"v-1"}"#;
+    let parsed = ok(Endpoint::Chat, &chat(both, ""));
+    assert_eq!(parsed.media[0].timestamps, Some(vec![0.5]));
+    assert_eq!(parsed.media[0].second_per_grid_ts, Some(1.0));
+}
+
+#[test]
+fn bad_timestamps_are_refused_naming_them() {
+    let at = "messages[0].content[1].video_embeds.timestamps";
+    let cases = [
+        ("[0.5, 1.5]", at.to_owned(), "3 (the grid's t), got 2"),
+        ("[0.5, 1.5, 2, 3]", at.to_owned(), "got 4"),
+        ("[]", at.to_owned(), "got 0"),
+        ("0.5", at.to_owned(), "timestamps"),
+        ("\"0.5\"", at.to_owned(), "timestamps"),
+        ("[0.5, -1, 2]", format!("{at}[1]"), "timestamps[1]"),
+        ("[0.5, 1, 86400.5]", format!("{at}[2]"), "timestamps[2]"),
+        ("[0.5, 1, 1e308]", format!("{at}[2]"), "timestamps[2]"),
+        ("[0.5, \"1\", 2]", format!("{at}[1]"), "timestamps[1]"),
+        ("[0.5, [1], 2]", format!("{at}[1]"), "timestamps[1]"),
+    ];
+    for (raw, param, words) in cases {
+        let part = stamped("[3, 4, 6]", raw);
+        let err = parse(Endpoint::Chat, &chat(&part, "")).expect_err(raw);
+        assert_eq!(err.param(), Some(param.as_str()), "{raw}: {err:?}");
+        assert!(err.to_string().contains(words), "{raw}: {err}");
+    }
+    // Only a video reference takes them.
+    let image = r#"{"type":"image_embeds","image_embeds":{"image_grid_thw":[1,4,6],"timestamps":[0.5]},"uuid":"u"}"#;
     let err = parse(Endpoint::Chat, &chat(image, "")).expect_err(image);
     assert_eq!(err.param(), Some("messages[0].content[1].image_embeds"));
 }

@@ -141,6 +141,7 @@ pub struct PyMediaItem {
     param: String,
     grid_thw: Option<[u32; 3]>,
     second_per_grid_ts: Option<f64>,
+    timestamps: Option<Vec<f64>>,
 }
 
 impl PyMediaItem {
@@ -159,6 +160,7 @@ impl PyMediaItem {
             param: item.param,
             grid_thw: item.grid_thw,
             second_per_grid_ts: item.second_per_grid_ts,
+            timestamps: item.timestamps,
         }
     }
 }
@@ -232,6 +234,12 @@ impl PyMediaItem {
     #[getter]
     fn second_per_grid_ts(&self) -> Option<f64> {
         self.second_per_grid_ts
+    }
+    /// The time of each temporal patch a `video_embeds` reference carries
+    /// (`timestamps`, one per patch); `None` when it has none, and for any other item.
+    #[getter]
+    fn timestamps(&self) -> Option<Vec<f64>> {
+        self.timestamps.clone()
     }
     fn __len__(&self) -> usize {
         self.len

@@ -79,6 +79,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from ec_frontend.connectors.ec_item_params import PATCHES
 from ec_frontend.connectors.transfer_trust import SIGNATURE_KEY, check_signature, loggable
 from ec_frontend.entrypoints.http.errors import error_body
 from ec_frontend.entrypoints.proxy.front import RoleHealth, http_error
@@ -584,9 +585,7 @@ class Proxy:
             raw = data.get("ec_transfer_params")
             params = self._verified_ec(url, raw)
             if isinstance(raw, dict) and raw:
-                if not params and any(
-                    isinstance(e, dict) and SIGNATURE_KEY in e for e in raw.values()
-                ):
+                if not params and any(_signed(e) for e in raw.values()):
                     # Signed entries that fail verification here fail at the consumer
                     # too, so a reference could not be loaded: the image goes downstream
                     # as it came. (Unsigned entries come from connectors that find the
@@ -600,17 +599,27 @@ class Proxy:
 
     def _verified_ec(self, url: str, params: Any) -> Any:
         """An encoder's params, less the entries whose signature does not verify (with a
-        secret; the consumer would refuse them)."""
+        secret; the consumer would refuse them). A whole video's entry stands when
+        every patch entry under it verifies (it carries no signature of its own: its
+        patches' are what a consumer checks)."""
         secret = self.config.transfer_secret
         if secret is None or not isinstance(params, dict):
             return params
         kept = {}
         for mm_hash, entry in params.items():
-            reason = (
-                check_signature(secret, "ec", mm_hash, entry, consume=False)
-                if isinstance(entry, dict)
-                else "not an object"
-            )
+            if not isinstance(entry, dict):
+                reason: str | None = "not an object"
+            elif isinstance(entry.get(PATCHES), dict):
+                reason = next(
+                    (
+                        r
+                        for key, patch in entry[PATCHES].items()
+                        if (r := _entry_problem(secret, key, patch)) is not None
+                    ),
+                    None,
+                )
+            else:
+                reason = _entry_problem(secret, mm_hash, entry)
             if reason is None:
                 kept[mm_hash] = entry
             else:
@@ -932,6 +941,24 @@ class Proxy:
         except httpx.HTTPError as exc:
             return Response(error_body(502, f"{url}: {exc!r}", None, "upstream_unreachable"), 502)
         return Response(resp.content, resp.status_code, media_type="application/json")
+
+
+def _entry_problem(secret: bytes, mm_hash: str, entry: Any) -> str | None:
+    """Why one item's signed entry fails verification (``None``: it verifies)."""
+    if not isinstance(entry, dict):
+        return "not an object"
+    return check_signature(secret, "ec", mm_hash, entry, consume=False)
+
+
+def _signed(entry: Any) -> bool:
+    """Whether an ``ec_transfer_params`` entry, or a patch entry under a whole video's,
+    carries a signature."""
+    if not isinstance(entry, dict):
+        return False
+    patches = entry.get(PATCHES)
+    if isinstance(patches, dict):
+        return any(isinstance(p, dict) and SIGNATURE_KEY in p for p in patches.values())
+    return SIGNATURE_KEY in entry
 
 
 def _error_code(content: bytes) -> Any:
