@@ -14,6 +14,7 @@ import concurrent.futures
 import io
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -326,14 +327,24 @@ def test_engine_requests_in_flight(mock_server: Proc) -> None:
 
 def test_processing_queue_full_is_429(model_server: Proc) -> None:
     """One processing thread and no queue: of concurrent image requests, those that find
-    the thread busy get 429 with Retry-After; the rest succeed."""
-    image = data_url(
-        encoded(Image.effect_noise((1500, 1500), 64).convert("RGB"), "BMP"), "image/bmp"
-    )
-    body = chat_body([image])
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda _: post(model_server, "/v1/chat/completions", body),
-                                range(8)))  # fmt: skip
+    the thread busy get 429 with Retry-After; the rest succeed. The images differ (an
+    image seen before is not decoded again, so it would hardly hold the thread), and
+    the bodies are encoded first and sent together."""
+    bodies = [
+        orjson.dumps(chat_body([data_url(
+            encoded(Image.effect_noise((1500, 1500), 64).convert("RGB"), "BMP"), "image/bmp"
+        )]))
+        for _ in range(8)
+    ]  # fmt: skip
+    together = threading.Barrier(len(bodies))
+
+    def send(body: bytes) -> httpx.Response:
+        with httpx.Client(timeout=60) as client:
+            together.wait()
+            return client.post(model_server.url + "/v1/chat/completions", content=body)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(send, bodies))
     statuses = sorted(r.status_code for r in results)
     assert set(statuses) <= {200, 429}, [r.text for r in results]
     assert 200 in statuses and 429 in statuses, statuses
