@@ -25,7 +25,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from ec_frontend.metrics import VIDEO_FRAMES_DECODED
 from ec_frontend.model.errors import InputError
+from ec_frontend.model.loader import load_processor
 from ec_frontend.model.processor import InputProcessor
 from transformers import Qwen2VLForConditionalGeneration
 
@@ -85,6 +87,12 @@ def media_root(tmp_path_factory: pytest.TempPathFactory, clip: bytes) -> Path:
     return root
 
 
+#: At most 12 frames; an encoder cache of 32 rows (the cases' items take 6 to 24; 12
+#: frames of the clip's size, 36, are over it).
+SERVER_LIMITS = ["--max-video-frames", "12", "--encoder-cache-size", "32",
+                 "--max-num-batched-tokens", "32"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: Path, media_root: Path) -> Iterator[Proc]:
     (proc,) = start_all(
@@ -92,7 +100,7 @@ def server(model_dir: Path, media_root: Path) -> Iterator[Proc]:
             serve(
                 model_dir,
                 "video",
-                extra=["--allowed-local-media-path", str(media_root), "--max-video-frames", "12"],
+                extra=["--allowed-local-media-path", str(media_root), *SERVER_LIMITS],
             )
         ]
     )
@@ -197,6 +205,13 @@ BAD_VIDEOS: dict[str, tuple[Callable[[], dict[str, str]], str, str]] = {
         "video_too_large",
         "--max-video-frame-pixels",
     ),
+    # 12 frames of 84x56 are one item of 36 rows, over the server's cache of 32: refused
+    # before any frame is decoded.
+    "over-the-encoder-cache": (
+        lambda: b64_video(make_clip(frames=12)),
+        "video_too_large",
+        "encoder item of 36 rows; this instance's encoder cache holds 32 (--encoder-cache-size)",
+    ),
     # 100 streams declaring 10000x10000 frames in 80 KB.
     "container-bomb": (
         lambda: b64_video(make_png_video(10_000, 10_000, streams=100, rows=2)),
@@ -246,3 +261,27 @@ def test_a_reference_is_placed_from_its_grid_and_frame_times_are_refused(
     assert exc.value.code == "invalid_video_embeds", exc.value
     assert exc.value.param == "messages[0].content[0].video_embeds.second_per_grid_ts"
     assert "take no frame times" in str(exc.value)
+
+
+@pytest.mark.parametrize(("rows", "refused"), [(17, True), (18, False)])
+def test_a_video_over_the_encoder_cache_is_refused_before_its_frames_are_decoded(
+    model_dir: Path, clip: bytes, png: bytes, rows: int, refused: bool
+) -> None:
+    """Six sampled frames make one item of 18 rows: with a cache of 17 rows the video
+    is a 400 ``video_too_large`` naming the part and ``--encoder-cache-size``, and no
+    frame was decoded (the engine would have refused it only after preprocessing);
+    with 18 rows it is processed."""
+    processor = load_processor(model_dir)
+    processor.configure_media(max_item_rows=rows)
+    case: Case = (False, {"num_frames": 6}, "?")
+    frames = VIDEO_FRAMES_DECODED.get()
+    if not refused:
+        assert process(processor, case, clip, png).mm_features[-1].length == 18
+        assert VIDEO_FRAMES_DECODED.get() == frames + 6
+        return
+    with pytest.raises(InputError) as err:
+        process(processor, case, clip, png)
+    assert err.value.code == "video_too_large"
+    assert err.value.param == "messages[0].content[0].video_url"
+    assert "encoder item of 18 rows; this instance's encoder cache holds 17" in str(err.value)
+    assert VIDEO_FRAMES_DECODED.get() == frames

@@ -253,6 +253,9 @@ class LlavaOnevisionInputProcessor(InputProcessor):
             return super()._images(media, order, size)
         return self._several(media, order)
 
+    def _video_item_rows(self, grid: tuple[int, int, int]) -> int:
+        return self.image_tokens(grid)
+
     def _place_video(
         self,
         video: Any,

@@ -195,6 +195,8 @@ class InputProcessor:
         #: Whether bytes the native path decoded before are deferred, not decoded again
         #: (a server's processor: :meth:`configure_media`; direct callers get pixels).
         self.defer_known_images = False
+        #: The encoder cache's rows, when known: see :meth:`configure_media`.
+        self.max_item_rows: int | None = None
         # Hugging Face tokenizers are not safe to call from several threads at once.
         self._lock = threading.Lock()
 
@@ -207,13 +209,17 @@ class InputProcessor:
         defer_known_images: bool = True,
         video_limits: VideoLimits | None = None,
         video_cache_bytes: int = 0,
+        max_item_rows: int | None = None,
     ) -> None:
         """Server limits: pixels per decoded image, the decoders a request may reach,
         and the largest ``mm_processor_kwargs`` pixel count (default: the checkpoint's
         ``max_pixels``); whether images decoded before are deferred (their encoder
         output is most likely cached); the bytes of processed videos kept for a video
-        sent again (0: none)."""
+        sent again (0: none); the encoder cache's rows (``--encoder-cache-size``): a
+        video whose encoder item would need more is refused before its frames are
+        decoded (``None``: the engine refuses it after preprocessing)."""
         self.defer_known_images = defer_known_images
+        self.max_item_rows = max_item_rows
         self.video_cache = ProcessedVideoCache(video_cache_bytes) if video_cache_bytes else None
         if video_limits is not None:
             self.video_limits = video_limits
@@ -522,9 +528,10 @@ class InputProcessor:
             if hit is not None:
                 VIDEO_CACHE_HITS.inc()
                 return hit
+        check = None if self.max_item_rows is None else self._rows_check(index, size)
         try:
             decoded = decode_video(
-                item.data, index=index, sampling=sampling, limits=self.video_limits
+                item.data, index=index, sampling=sampling, limits=self.video_limits, check=check
             )
             grid, pixels = self.video_rule.preprocess(decoded.frames, index=index, size=size)
         except InputError as exc:
@@ -541,6 +548,41 @@ class InputProcessor:
         if cache is not None and key is not None and pixels is not None:
             cache.put(key, video, pixels.element_size() * pixels.nelement())
         return video
+
+    def _rows_check(
+        self, index: int, size: dict[str, int] | None
+    ) -> Callable[[int, int, int], None]:
+        """What :func:`decode_video` calls with a video's sampled frame count and frame
+        size: a 400 ``video_too_large`` when its largest encoder item would need more
+        rows than the encoder cache holds (the engine could never run it), before any
+        frame is decoded."""
+        limit = self.max_item_rows
+        assert limit is not None
+
+        def check(frames: int, height: int, width: int) -> None:
+            try:
+                grid = self.video_rule.grid_for(frames, height, width, size)
+            except ValueError:
+                return  # preprocessing refuses these frames, saying why
+            rows = self._video_item_rows(grid)
+            if rows > limit:
+                raise InputError(
+                    f"video {index}: {frames} sampled frames of {width}x{height} make an "
+                    f"encoder item of {rows} rows; this instance's encoder cache holds {limit} "
+                    "(--encoder-cache-size): sample fewer frames "
+                    "(media_io_kwargs.video.num_frames or fps) or fewer pixels "
+                    "(mm_processor_kwargs.max_pixels)",
+                    code="video_too_large",
+                )
+
+        return check
+
+    def _video_item_rows(self, grid: tuple[int, int, int]) -> int:
+        """The placeholder rows of a video's largest encoder item, from its grid: the
+        whole video's, or one temporal patch's where each is an item (Qwen3-VL)."""
+        t, h, w = grid
+        rows = h * w // self.spatial_merge_size**2
+        return rows if self.video_rule.TIMESTAMPS else t * rows
 
     def _reference_seconds(
         self, seconds: float | None, index: int, param: str | None

@@ -40,7 +40,7 @@ import bisect
 import io
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -135,9 +135,16 @@ def _bad(index: int, what: str, code: str = "invalid_video") -> InputError:
 
 
 def decode_video(
-    data: bytes | None, *, index: int, sampling: VideoSampling, limits: VideoLimits
+    data: bytes | None,
+    *,
+    index: int,
+    sampling: VideoSampling,
+    limits: VideoLimits,
+    check: Callable[[int, int, int], None] | None = None,
 ) -> DecodedVideo:
-    """The sampled frames of ``data`` (module docstring); ``index`` names the item."""
+    """The sampled frames of ``data`` (module docstring); ``index`` names the item.
+    ``check(frames, height, width)``, when given, is called with the sampled frame
+    count and the frame size before any frame is decoded (it raises to refuse)."""
     import av  # FFmpeg's libraries load on the first video, not at import
 
     if not data:
@@ -155,7 +162,7 @@ def decode_video(
     except (av.FFmpegError, ValueError, OSError) as exc:
         raise _bad(index, f"is not a readable video container ({exc})") from exc
     try:
-        decoded = _decode(container, index, sampling, limits)
+        decoded = _decode(container, index, sampling, limits, check)
     except (av.FFmpegError, OSError) as exc:
         raise _bad(index, f"could not be decoded (corrupt or truncated: {exc})") from exc
     finally:
@@ -171,7 +178,11 @@ _count_lock = threading.Lock()
 
 
 def _decode(
-    container: Any, index: int, sampling: VideoSampling, limits: VideoLimits
+    container: Any,
+    index: int,
+    sampling: VideoSampling,
+    limits: VideoLimits,
+    check: Callable[[int, int, int], None] | None,
 ) -> DecodedVideo:
     if not container.streams.video:
         raise _bad(index, "has no video stream (audio-only or not a video)")
@@ -242,6 +253,8 @@ def _decode(
             f"{limits.max_video_pixels} pixels (--max-video-pixels)",
             "video_too_large",
         )
+    if check is not None:
+        check(len(wanted), height, width)
     targets = [pts[i] for i in wanted]
     frames = _frames_at(container, stream, targets, keyframes, index, (height, width))
     base = pts[0]

@@ -192,6 +192,15 @@ class QwenVideoRule:
         """The size every frame of a video of ``num_frames`` frames is resized to."""
         return self.target_size(height, width, size)
 
+    def grid_for(
+        self, num_frames: int, height: int, width: int, size: Mapping[str, int] | None = None
+    ) -> tuple[int, int, int]:
+        """The ``(t, h, w)`` grid :meth:`preprocess` gives ``num_frames`` frames of
+        ``height`` x ``width`` (known before any frame is decoded)."""
+        h, w = self.video_size(num_frames, height, width, size)
+        t = -(-num_frames // self.temporal_patch_size)
+        return t, h // self.patch_size, w // self.patch_size
+
     def preprocess(
         self, frames: np.ndarray, *, index: int, size: Mapping[str, int] | None = None
     ) -> tuple[tuple[int, int, int], torch.Tensor]:
@@ -414,6 +423,13 @@ class LlavaOnevisionVideoRule:
             image_std=(float(std[0]), float(std[1]), float(std[2])),
             rescale_factor=float(raw.get("rescale_factor") or 1 / 255),
         )
+
+    def grid_for(
+        self, num_frames: int, height: int, width: int, size: Mapping[str, int] | None = None
+    ) -> tuple[int, int, int]:
+        """The item grid :meth:`preprocess` gives ``num_frames`` frames (any size: every
+        frame becomes one tile)."""
+        return ONEVISION_VIDEO, num_frames, 1
 
     def reference_grid(self, frames: int) -> tuple[int, int, int]:
         """The ``video_grid_thw`` an encoder publishes for a video of ``frames`` sampled

@@ -195,6 +195,7 @@ class App:
                 max_processor_pixels=limits.max_processor_pixels,
                 video_limits=limits.video,
                 video_cache_bytes=limits.video_cache_bytes,
+                max_item_rows=_encoder_cache_rows(engine),
             )
         self.tokenizer = getattr(processor, "tokenizer", None)
         self.created = int(time.time())
@@ -406,6 +407,14 @@ def _client(request: Request) -> str:
     is one principal, so the key tells callers apart no better)."""
     peer = request.client
     return peer.host if peer is not None and peer.host else "unknown"
+
+
+def _encoder_cache_rows(engine: Any) -> int | None:
+    """The rows of the engine's encoder cache (``--encoder-cache-size``, resolved with
+    the engine's config before it starts); ``None`` for an engine without one."""
+    cache = getattr(getattr(engine, "config", None), "cache", None)
+    rows = getattr(cache, "encoder_cache_size", None)
+    return rows if isinstance(rows, int) else None
 
 
 async def _guarded(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
