@@ -371,13 +371,19 @@ def test_client_disconnect_mid_stream_aborts_decode(dep: dict[str, Proc]) -> Non
     before = {name: d.metric(name) for name in watched}
     body = {"model": MODEL_NAME, "messages": CASES["one-image"], "max_tokens": 900,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    seen_lines: list[str] = []
     with httpx.stream(
         "POST", dep["E+P+D"].url + "/v1/chat/completions", json=body, timeout=60
     ) as r:
         assert r.status_code == 200
+        # Leave after the first generated token (the opening chunk's empty content
+        # comes before decode has its request), so that decode has a request to abort.
         for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
+            seen_lines.append(line)
+            if line.startswith("data: ") and '"content"' in line and '"content":""' not in line:
                 break
+        else:
+            raise AssertionError(f"the stream ended before any token: {seen_lines[-3:]}")
     deadline = time.monotonic() + 20
     while d.metric("num_requests_running") and time.monotonic() < deadline:
         time.sleep(0.1)
