@@ -384,13 +384,22 @@ def test_client_disconnect_mid_stream_aborts_decode(dep: dict[str, Proc]) -> Non
                 break
         else:
             raise AssertionError(f"the stream ended before any token: {seen_lines[-3:]}")
+    # The gauges trail the abort by a step or two: wait until the abort is counted and
+    # the request and its blocks are gone (or 20 s have passed).
     deadline = time.monotonic() + 20
-    while d.metric("num_requests_running") and time.monotonic() < deadline:
+    while True:
+        now = d.metrics()
+        seen = {name: now.get("ec_frontend_" + name, 0.0) - before[name] for name in watched}
+        settled = (
+            seen["requests_aborted_total"] >= 1
+            and now.get("ec_frontend_num_requests_running") == 0
+            and now.get("ec_frontend_kv_blocks_used") == 0
+        )
+        if settled or time.monotonic() > deadline:
+            break
         time.sleep(0.1)
     # On a failure, which side kept the request: the decode API server (no abort
     # counted), or its engine (aborted, yet still stepping).
-    now = d.metrics()
-    seen = {name: now.get("ec_frontend_" + name, 0.0) - before[name] for name in watched}
     assert now.get("ec_frontend_num_requests_running") == 0, seen
     assert now.get("ec_frontend_kv_blocks_used") == 0, seen
     assert seen["generation_tokens_total"] < 900
