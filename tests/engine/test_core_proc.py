@@ -16,8 +16,12 @@ import torch
 from ec_frontend.engine.async_engine import AsyncEngine
 from ec_frontend.engine.core import EngineCore
 from ec_frontend.engine.core_proc import EngineProcess, EngineSpec
-from ec_frontend.engine.detokenizer import IncrementalDetokenizer
-from ec_frontend.engine.mp_client import MPEngineClient, StreamDetokenizer, make_detokenizer
+from ec_frontend.engine.detokenizer import (
+    IncrementalDetokenizer,
+    StreamDetokenizer,
+    make_detokenizer,
+)
+from ec_frontend.engine.mp_client import MPEngineClient
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.sampling_params import SamplingParams
 from ec_frontend.engine.wire import Codec, pack_dataclass, unpack_fields
@@ -97,25 +101,39 @@ def _run_detok(detok: IncrementalDetokenizer, tokens: list[int], chunk: int) -> 
     return text, stop
 
 
+@pytest.mark.parametrize("kind", ["stream", "piece"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("stop", [[], ["e"], ["the", "\n\n"]])
-def test_stream_detokenizer_matches_the_window_detokenizer(
-    processor: Any, seed: int, stop: list[str]
+def test_per_token_detokenizers_match_the_window_detokenizer(
+    processor: Any, kind: str, seed: int, stop: list[str]
 ) -> None:
-    """DecodeStream gives the text, the stop string and the stream deltas of the
-    decode-window detokenizer, over random ids (multi-byte pieces, special tokens)."""
-    tok = processor.tokenizer
+    """DecodeStream (a fast Hugging Face tokenizer) and the token -> text pieces (the
+    mock's characters) give the text, the stop string and the stream deltas of the
+    decode-window detokenizer, over random ids (multi-byte pieces, special tokens),
+    with special tokens skipped and kept."""
+    from ec_frontend.engine.detokenizer import PieceDetokenizer
+    from ec_frontend.engine.mock import CharTokenizer
+
     rng = random.Random(seed)
-    sample = tok.encode("Grüße, 東京! the café\n\nend")
-    tokens = [rng.choice([*sample, rng.randrange(len(tok))]) for _ in range(40)]
+    text = "Grüße, 東京! the café\n\nend"
+    if kind == "stream":
+        tok, cls = processor.tokenizer, StreamDetokenizer
+        sample = tok.encode(text)
+        tokens = [rng.choice([*sample, rng.randrange(len(tok))]) for _ in range(40)]
+    else:
+        tok, cls = CharTokenizer(), PieceDetokenizer
+        sample = [*tok.encode(text), tok.eos_token_id]
+        tokens = [rng.choice(sample) for _ in range(60)]
     prompt = tok.encode("user: hi")
-    params = SamplingParams(stop=list(stop), max_tokens=64)
+    skip = seed % 2 == 0
+    params = SamplingParams(stop=list(stop), max_tokens=64, skip_special_tokens=skip)
     chunk = 1 + seed % 3
-    stream = make_detokenizer(tok, prompt, params)
-    assert isinstance(stream, StreamDetokenizer)
-    got = _run_detok(stream, tokens, chunk)
+    per_token = make_detokenizer(tok, prompt, params)
+    assert isinstance(per_token, cls)
+    got = _run_detok(per_token, tokens, chunk)
     want = _run_detok(IncrementalDetokenizer(tok, prompt, params), tokens, chunk)
     assert got == want
+    assert got[0] or got[1] is not None
 
 
 # ---- the process handle -------------------------------------------------------------
@@ -273,6 +291,56 @@ def _mock_view(out: RequestOutput) -> tuple[Any, ...]:
         out.finish_reason, out.stop_reason, lps,
         out.kv_transfer_params, out.ec_transfer_params, out.error,
     )  # fmt: skip
+
+
+def test_client_serves_streams_of_several_event_loops() -> None:
+    """The engine's messages are read on one running loop (the first request's);
+    streams of a second loop, running at the same time in another thread, get their
+    deltas posted there; once both loops are gone a third loop takes over the
+    reading. Stats read between loops are current."""
+    import threading
+
+    from ec_frontend.engine.mock import MockEngineConfig
+
+    client = MPEngineClient.start(MockEngineConfig(model="m"), kind="mock")
+    started, second_done = threading.Event(), threading.Event()
+
+    async def run(name: str, n: int, max_tokens: int) -> list[RequestOutput]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        prompt = client.processor.process_prompt("abcdefgh" * 4)
+        streams = [client.add_request(f"{name}-{i}", prompt, params) for i in range(n)]
+        started.set()
+        outs = list(await asyncio.gather(*(_collect(s) for s in streams)))
+        if name == "first":
+            # The first loop runs on (and reads) until the second loop is done.
+            await asyncio.to_thread(second_done.wait, 30)
+        return outs
+
+    results: dict[str, list[RequestOutput]] = {}
+
+    def in_thread(name: str) -> None:
+        started.wait(10)
+        try:
+            results[name] = asyncio.run(run(name, 3, 24))
+        finally:
+            second_done.set()
+
+    try:
+        other = threading.Thread(target=in_thread, args=("second",))
+        other.start()
+        results["first"] = asyncio.run(run("first", 3, 200))
+        other.join(60)
+        assert not other.is_alive()
+        results["third"] = asyncio.run(run("third", 2, 8))
+        finished = client.stats().requests_finished_total
+    finally:
+        client.shutdown()
+    want = {"first": 200, "second": 24, "third": 8}
+    for name, outs in results.items():
+        assert [o.finish_reason for o in outs] == ["length"] * len(outs), name
+        assert [len(o.token_ids) for o in outs] == [want[name]] * len(outs), name
+        assert all(o.text == ("abcdefgh" * 4 * 30)[: want[name]] for o in outs), name
+    assert finished == 8
 
 
 @pytest.mark.slow

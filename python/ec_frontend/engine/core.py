@@ -20,7 +20,12 @@ from ec_frontend.connectors.base import ECConnectorBase, ECConnectorRole
 from ec_frontend.connectors.factory import create_ec_connectors, create_kv_connectors
 from ec_frontend.connectors.kv_base import KVConnectorBase
 from ec_frontend.connectors.noop import NoOpECConnector
-from ec_frontend.engine.detokenizer import Decoder, IncrementalDetokenizer, text_token_ids
+from ec_frontend.engine.detokenizer import (
+    Decoder,
+    IncrementalDetokenizer,
+    make_detokenizer,
+    text_token_ids,
+)
 from ec_frontend.engine.encoder_cache import EncoderCacheManager
 from ec_frontend.engine.kv_cache import KVCacheManager, plan_kv_cache
 from ec_frontend.engine.outputs import EngineCoreOutput, ModelRunnerOutput, RequestOutput
@@ -199,7 +204,7 @@ class EngineCore:
             return
         detok = None
         if self.tokenizer is not None and not self.encoder_only:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+            detok = make_detokenizer(self.tokenizer, request.prompt_token_ids, params)
         self._states[request_id] = _RequestState(request.prompt_token_ids, detok)
         self.scheduler.add_request(request)
 

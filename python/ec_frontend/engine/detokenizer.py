@@ -1,8 +1,12 @@
 """Incremental detokenization and stop strings.
 
-Text is produced with the Hugging Face tokenizer's ``decode`` over a short
-window (prefix/read offsets), so each token costs a constant amount of work and
-multi-byte characters split across tokens are only emitted once complete. A
+:func:`make_detokenizer` picks one of three ways to turn tokens into text: the
+tokenizers library's ``DecodeStream`` for a fast Hugging Face tokenizer (one
+native call per token), a token -> text function for a tokenizer whose tokens
+need no context (the mock's characters), else the tokenizer's ``decode`` over a
+short window (prefix/read offsets), so that each token costs a constant amount
+of work. Multi-byte characters split across tokens are only emitted once
+complete. A
 stop string ends the request; the text is cut before it (or after it with
 ``include_stop_str_in_output``). While a request runs, the last
 ``len(longest stop) - 1`` characters are held back, so a stream never emits
@@ -11,8 +15,8 @@ the start of a stop string that later completes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ec_frontend.engine.sampling_params import SamplingParams
 
@@ -117,3 +121,93 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.params.skip_special_tokens)
+
+
+class _PieceText(IncrementalDetokenizer):
+    """A detokenizer that gets each token's text as a piece to append (no window)."""
+
+    def _append(self, piece: str) -> str | None:
+        checked = len(self.text)
+        self.text += piece
+        stop = self._find_stop(checked)
+        if stop is not None:
+            self._stopped = True
+        return stop
+
+
+class StreamDetokenizer(_PieceText):
+    """Incremental text with ``tokenizers.decoders.DecodeStream``: one native call per
+    token. Stop strings and the hold-back of a possible stop prefix are the base
+    class's. Tokens that end inside a multi-byte character wait for the next one;
+    when the request ends with them, they are decoded as they are."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        super().__init__(tokenizer, prompt_token_ids, params)
+        self._backend = tokenizer.backend_tokenizer
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+        self._pending: list[int] = []
+
+    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
+        step = self._stream.step
+        backend = self._backend
+        for token in new_token_ids:
+            if self._stopped:
+                return None
+            self._num_output += 1
+            piece = step(backend, token)
+            if piece is None:
+                self._pending.append(token)
+                continue
+            self._pending.clear()
+            if piece:
+                stop = self._append(piece)
+                if stop is not None:
+                    return stop
+        if finished and not self._stopped and self._pending:
+            rest = self._decode(self._pending)
+            self._pending.clear()
+            return self._append(rest)
+        return None
+
+
+class PieceDetokenizer(_PieceText):
+    """For a tokenizer whose tokens each decode to their own text, whatever comes
+    before (``tokenizer.piece_decoder(skip_special_tokens)`` gives the token -> text
+    function): one call per token, no decode window."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        super().__init__(tokenizer, prompt_token_ids, params)
+        self._piece: Callable[[int], str] = tokenizer.piece_decoder(params.skip_special_tokens)
+
+    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
+        piece = self._piece
+        for token in new_token_ids:
+            if self._stopped:
+                return None
+            self._num_output += 1
+            text = piece(token)
+            if text:
+                stop = self._append(text)
+                if stop is not None:
+                    return stop
+        return None
+
+
+def make_detokenizer(
+    tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+) -> IncrementalDetokenizer:
+    """The streaming detokenizer for a fast Hugging Face tokenizer, the per-token one
+    for a tokenizer with a ``piece_decoder``, else the decode-window one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend).__module__.startswith("tokenizers"):
+        return StreamDetokenizer(tokenizer, prompt_token_ids, params)
+    if hasattr(tokenizer, "piece_decoder"):
+        return PieceDetokenizer(tokenizer, prompt_token_ids, params)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)

@@ -21,7 +21,7 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,10 @@ def check_token_ids(token_ids: Sequence[int]) -> list[int]:
     return ids
 
 
+def _char_or_nothing(token_id: int) -> str:
+    return chr(token_id) if token_id > 0 else ""
+
+
 class CharTokenizer:
     """Token id = Unicode code point; id 0 is the end-of-sequence token."""
 
@@ -73,6 +77,12 @@ class CharTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids if t > 0 or not skip_special_tokens)
+
+    def piece_decoder(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
+        """Token -> text, one at a time: a character needs no context."""
+        if not skip_special_tokens:
+            return chr
+        return _char_or_nothing
 
 
 @dataclass(slots=True)

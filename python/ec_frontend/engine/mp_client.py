@@ -6,18 +6,20 @@ the engine to every client's requests), ``stats``, ``holds_request``,
 ``is_running``, ``shutdown``, ``processor``, ``config``, ``eos_token_id``) and
 talks to the engine process of :mod:`ec_frontend.engine.core_proc` over ZMQ.
 
-The frontend side keeps what is per-token text work: detokenization (the
-tokenizers library's ``DecodeStream``, one Rust call per token, for a fast
-tokenizer; :class:`IncrementalDetokenizer` otherwise) and stop strings. A stop
+The frontend side keeps what is per-token text work: detokenization
+(:func:`~ec_frontend.engine.detokenizer.make_detokenizer`) and stop strings. A stop
 string tells the core to finish the request as stopped; the stream's last delta
 waits for the core's final output, which carries the transfer params.
 
-Requests are sent from the event loop's thread; one I/O thread receives the
-engine's messages, turns them into :class:`RequestOutput` deltas and posts them to
-the streams' loops (one wake-up per loop for all the messages already there:
-one engine message per step with this client's outputs of the step). It also
-watches the engine process (a pidfd): when the process is gone, every open stream
-ends with an error, :attr:`is_running` turns false and the death callbacks run.
+Requests are sent from the event loop's thread. The engine's messages (one per
+step with this client's outputs of the step) are read on an event loop too: the
+*home* loop, the one the latest request came from while no other is running
+(a server has one), watches the output socket's file descriptor and turns the
+messages already there into :class:`RequestOutput` deltas for its streams, with
+no thread between the socket and the streams. A stream on another running loop
+gets its deltas posted there, one wake-up per loop per read. A watcher thread,
+asleep on a pidfd, sees the engine process go: then every open stream ends with
+an error, :attr:`is_running` turns false and the death callbacks run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -38,10 +41,15 @@ from ec_frontend.engine.async_engine import (
     RequestStream,
     _Deliveries,
     _post,
+    _put_all,
     _Sink,
 )
 from ec_frontend.engine.core_proc import WELCOME_TIMEOUT_S, EngineProcess, EngineSpec
-from ec_frontend.engine.detokenizer import IncrementalDetokenizer, text_token_ids
+from ec_frontend.engine.detokenizer import (
+    IncrementalDetokenizer,
+    make_detokenizer,
+    text_token_ids,
+)
 from ec_frontend.engine.outputs import RequestOutput
 from ec_frontend.engine.stats import EngineStats
 from ec_frontend.engine.wire import (
@@ -70,72 +78,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How often the I/O thread looks at the engine process when nothing arrives (s).
+#: How often the watcher looks at the engine process without a pidfd, or at a
+#: shutdown (s).
 _WATCH_S = 0.2
-#: Most engine messages the I/O thread decodes before it hands their outputs over.
+#: Most engine messages one read decodes before the loop runs the streams.
 _DRAIN_MESSAGES = 64
-#: Prompt tokens given to the streaming decoder as left context.
-_PROMPT_CONTEXT = 5
 
-__all__ = ["EngineDeadError", "MPEngineClient", "StartupError", "StreamDetokenizer"]
-
-
-class StreamDetokenizer(IncrementalDetokenizer):
-    """Incremental text with ``tokenizers.decoders.DecodeStream``: one native call per
-    token. Stop strings and the hold-back of a possible stop prefix are the base
-    class's. Tokens that end inside a multi-byte character wait for the next one;
-    when the request ends with them, they are decoded as they are."""
-
-    def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        super().__init__(tokenizer, prompt_token_ids, params)
-        self._backend = tokenizer.backend_tokenizer
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
-        self._pending: list[int] = []
-
-    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
-        step = self._stream.step
-        backend = self._backend
-        for token in new_token_ids:
-            if self._stopped:
-                return None
-            self._num_output += 1
-            piece = step(backend, token)
-            if piece is None:
-                self._pending.append(token)
-                continue
-            self._pending.clear()
-            if piece:
-                stop = self._append(piece)
-                if stop is not None:
-                    return stop
-        if finished and not self._stopped and self._pending:
-            rest = self._decode(self._pending)
-            self._pending.clear()
-            return self._append(rest)
-        return None
-
-    def _append(self, piece: str) -> str | None:
-        checked = len(self.text)
-        self.text += piece
-        stop = self._find_stop(checked)
-        if stop is not None:
-            self._stopped = True
-        return stop
-
-
-def make_detokenizer(
-    tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
-) -> IncrementalDetokenizer:
-    """The streaming detokenizer for a fast Hugging Face tokenizer, else the window one."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and type(backend).__module__.startswith("tokenizers"):
-        return StreamDetokenizer(tokenizer, prompt_token_ids, params)
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+__all__ = ["EngineDeadError", "MPEngineClient", "StartupError"]
 
 
 @dataclass(slots=True)
@@ -190,7 +139,10 @@ class MPEngineClient:
         self._stats_values: list[Any] = info["stats"]
         self._stats: EngineStats | None = None
         self._pidfd = _pidfd(self.pid)
-        self._thread = threading.Thread(target=self._run, name="ec-engine-client", daemon=True)
+        self._fd = int(self._output.getsockopt(zmq.FD))
+        self._home: asyncio.AbstractEventLoop | None = None
+        self._home_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="ec-engine-watch", daemon=True)
         self._thread.start()
 
     def _socket(self, identity: bytes, endpoint: str) -> zmq.Socket[bytes]:
@@ -252,6 +204,8 @@ class MPEngineClient:
         """Submit a request; iterate the result for its deltas (from a running loop).
         ``group``: the client request it belongs to, for :meth:`abort_groups`."""
         loop = asyncio.get_running_loop()
+        if loop is not self._home:
+            self._adopt(loop)
         prompt = inputs.prompt_token_ids
         detok = None
         if self._detokenize and not getattr(self.config, "is_encoder_only", False):
@@ -284,6 +238,7 @@ class MPEngineClient:
 
     def stats(self) -> EngineStats:
         """The engine's snapshot after its latest step that computed anything."""
+        self._read_idle()
         stats = self._stats
         if stats is None:
             stats = self._stats = EngineStats(*self._stats_values)
@@ -291,6 +246,7 @@ class MPEngineClient:
 
     def holds_request(self, request_id: str) -> bool:
         """In flight here, or finished and still held by a connector in the engine."""
+        self._read_idle()
         return request_id in self._requests or request_id in self._held
 
     @property
@@ -298,12 +254,13 @@ class MPEngineClient:
         return self._dead is None and not self._closing and self._thread.is_alive()
 
     def add_death_callback(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` (from the I/O thread) if the engine process dies."""
+        """Call ``callback(reason)`` if the engine process dies (from the watcher
+        thread; from the home loop when its messages cannot be read)."""
         self._death_callbacks.append(callback)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (when this client started it) and the I/O thread;
-        unfinished requests end with an error output."""
+        """Stop the engine process (when this client started it), the watcher and the
+        home loop's reading; unfinished requests end with an error output."""
         with self._lock:
             if self._closing:
                 return
@@ -315,6 +272,7 @@ class MPEngineClient:
             self.process.terminate(timeout, grace=min(2.0, timeout))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self._leave_home(timeout)
         self._ctx.destroy(linger=0)
         if self._pidfd is not None:
             os.close(self._pidfd)
@@ -327,28 +285,117 @@ class MPEngineClient:
             frames = self._codec.encode(message)
             self._input.send_multipart(frames, copy=False)
 
-    # ---- the I/O thread -------------------------------------------------------------
+    # ---- the home loop: reading the engine's messages ---------------------------
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._output, zmq.POLLIN)
-        if self._pidfd is not None:
-            poller.register(self._pidfd, zmq.POLLIN)
+    def _adopt(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's messages on ``loop`` unless another loop still runs and
+        reads them (its streams' deltas are then posted to ``loop``)."""
+        with self._home_lock:
+            home = self._home
+            if home is loop or (home is not None and home.is_running() and not home.is_closed()):
+                return
+            if home is not None and not home.is_closed():
+                home.remove_reader(self._fd)
+            self._home = loop
+            loop.add_reader(self._fd, self._on_readable)
+        # The socket's descriptor signals edges: read what came before it was watched.
+        loop.call_soon(self._on_readable)
+
+    def _read_idle(self) -> None:
+        """Read what has arrived here when no running loop reads it (a client used
+        between event loops), so that stats and held requests stay current."""
+        home = self._home
+        if home is not None and home.is_running():
+            return
+        with self._home_lock:
+            home = self._home
+            if home is not None and home.is_running():
+                return
+            batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
+            try:
+                while not self._closing and self._dead is None and self._receive(batches):
+                    pass
+            finally:
+                for loop, deliveries in batches.items():
+                    _post(loop, deliveries)
+
+    def _leave_home(self, timeout: float) -> None:
+        """Stop reading on the home loop, from its thread when it runs elsewhere."""
+        with self._home_lock:
+            home, self._home = self._home, None
+        if home is None or home.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is home or not home.is_running():
+            home.remove_reader(self._fd)
+            return
+        done = threading.Event()
+
+        def remove() -> None:
+            home.remove_reader(self._fd)
+            done.set()
+
+        with contextlib.suppress(RuntimeError):
+            home.call_soon_threadsafe(remove)
+            done.wait(min(timeout, 1.0))
+
+    def _on_readable(self) -> None:
+        """The messages already received (up to :data:`_DRAIN_MESSAGES`, then again on
+        the loop's next turn); this loop's streams get their deltas at once, others'
+        loops one hand-off each."""
+        if self._closing or self._dead is not None:
+            return
+        home = self._home
+        batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
+        more = False
+        try:
+            more = self._receive(batches)
+        except Exception as exc:
+            if not self._closing:
+                logger.exception("engine client stopped")
+                self._fail(f"the engine connection failed: {exc}")
+        finally:
+            for loop, deliveries in batches.items():
+                if loop is home:
+                    _put_all(deliveries)
+                else:
+                    _post(loop, deliveries)
+        if more and home is not None:
+            home.call_soon(self._on_readable)
+
+    # ---- the watcher thread ---------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Sleep until the engine process is gone (or the client shuts down)."""
+        pidfd = self._pidfd
         reason = "the engine is shut down"
         try:
-            while not self._closing:
-                events = dict(poller.poll(int(_WATCH_S * 1000)))
-                if self._output in events:
-                    self._drain()
-                if (self._pidfd is not None and self._pidfd in events) or not self._alive():
-                    if not self._closing:
+            while not self._closing and self._dead is None:
+                if pidfd is not None:
+                    if select.select([pidfd], [], [], _WATCH_S)[0] and not self._closing:
                         reason = self._death_reason()
+                        break
+                else:
+                    time.sleep(_WATCH_S)
+                if not self._closing and not self._alive():
+                    reason = self._death_reason()
                     break
         except Exception as exc:
             if not self._closing:
                 logger.exception("engine client stopped")
                 reason = f"the engine connection failed: {exc}"
-        self._end(reason, unexpected=not self._closing)
+        if self._dead is None:
+            self._end(reason, unexpected=not self._closing)
+
+    def _fail(self, reason: str) -> None:
+        """End the client on the home loop's read error: streams, health and the
+        death callbacks, which may block, from a thread of their own."""
+        with contextlib.suppress(Exception):
+            self._leave_home(0.0)
+        threading.Thread(target=self._end, args=(reason, True), daemon=True).start()
 
     def _alive(self) -> bool:
         if self.process is not None:
@@ -366,6 +413,8 @@ class MPEngineClient:
 
     def _end(self, reason: str, unexpected: bool) -> None:
         with self._lock:
+            if self._dead is not None:
+                return
             self._dead = reason
             requests, self._requests = self._requests, {}
         if unexpected:
@@ -382,25 +431,16 @@ class MPEngineClient:
                 except Exception:
                     logger.exception("engine death callback failed")
 
-    def _drain(self) -> None:
-        """The messages already received (up to :data:`_DRAIN_MESSAGES`); then one
-        hand-off per loop for all of them: a backlog of steps wakes each loop once,
-        and its streams find every delta there (one write per connection)."""
-        batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
-        try:
-            self._receive(batches)
-        finally:
-            for loop, deliveries in batches.items():
-                _post(loop, deliveries)
-
-    def _receive(self, batches: dict[asyncio.AbstractEventLoop, _Deliveries]) -> None:
+    def _receive(self, batches: dict[asyncio.AbstractEventLoop, _Deliveries]) -> bool:
+        """Decode up to :data:`_DRAIN_MESSAGES` messages into ``batches``; whether more
+        may be waiting."""
         decode = self._out_decoder.decode
         recv = self._output.recv_multipart
         for _ in range(_DRAIN_MESSAGES):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             message = decode(frames[0].buffer)
             self._stats_values, self._stats = message.stats, None
             if message.held_added:
@@ -418,6 +458,7 @@ class MPEngineClient:
                     with self._lock:
                         self._requests.pop(out.request_id, None)
                 batches.setdefault(state.sink.loop, []).append((state.sink.queue, out))
+        return True
 
     def _output_of(self, state: _ClientRequest, item: EngineOutput) -> RequestOutput | None:
         """The delta of one engine output (``None``: nothing to deliver yet)."""
