@@ -86,6 +86,8 @@ class EncoderInputPlanner:
         Has no effect other than referencing encoder-cache hits (and evicting
         unreferenced entries to make room).
         """
+        if not request.mm_features:
+            return EncoderPlan([], [], max(0, num_new), encoder_budget)
         encode: list[int] = []
         load: list[int] = []
         seen: set[str] = set()

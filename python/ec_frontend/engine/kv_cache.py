@@ -273,7 +273,11 @@ class KVCacheManager:
         ids, or ``None`` (and changes nothing) when there are not enough free
         blocks.
         """
-        if cached and request_id in self._tables:
+        if not cached:
+            table = self._tables.get(request_id)
+            if table is not None and len(table) * self.block_size >= num_tokens:
+                return []
+        elif request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks")
         need = self.blocks_needed(request_id, num_tokens) - len(cached)
         reclaimed = sum(1 for b in cached if self._ref[b] == 0)

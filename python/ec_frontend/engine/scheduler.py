@@ -471,13 +471,11 @@ class Scheduler:
                 outputs.extend(self._pending_outputs)
                 self._pending_outputs = []
                 continue
-            if not self.encoder_only:
+            if not self.encoder_only and item.num_computed_tokens < request.num_prompt_tokens:
                 prompt_end = min(
                     item.num_computed_tokens + item.num_scheduled_tokens, request.num_prompt_tokens
                 )
-                self.counters.prompt_tokens_computed += max(
-                    0, prompt_end - item.num_computed_tokens
-                )
+                self.counters.prompt_tokens_computed += prompt_end - item.num_computed_tokens
             new_ids: list[int] = []
             for token in runner_output.sampled_token_ids.get(request.request_id, ()):
                 request.output_token_ids.append(token)
@@ -521,6 +519,8 @@ class Scheduler:
 
     def _free_passed_encoder_inputs(self, request: Request) -> None:
         """Drop references to items the prompt has moved past (all copies of a hash)."""
+        if not request.mm_features:
+            return
         pending = {
             f.mm_hash
             for f in request.mm_features
