@@ -16,8 +16,15 @@ and scenario, then ``--rounds`` rounds that alternate which server goes first.
 Scenarios: streamed chat without an image, and with one ``--image-size`` image
 (``random-mm`` dataset; one seed per round, so both servers get the same prompts
 and images in a round, and new ones the next round: vLLM's multimodal processor
-cache gets no hits from a repeated image). Reported per scenario: the median
-over rounds of requests/s, TTFT p50 and p99, and each server's CPU time per
+cache gets no hits from a repeated image). The same two without streaming
+(``"stream": false``, the whole answer in one response): ``vllm bench serve``
+only streams, so these go through this script's own light client (``httptools``,
+``--concurrency`` keep-alive connections), with prompts built alike: random token
+ids of the checkpoint's tokenizer decoded to ``--input-len`` tokens of text, and a
+random-noise JPEG, new ones every round, the same for both servers.
+
+Reported per scenario: the median over rounds of requests/s, TTFT p50 and p99
+(end-to-end latency without streaming), and each server's CPU time per
 request (its process tree, and its API process alone, from ``/proc``); the
 ratio is ec-frontend's requests/s over vLLM's.
 
@@ -36,7 +43,10 @@ Run: ``.venv/bin/python benches/bench_vs_vllm_api.py [--rounds 3] [--num-prompts
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import contextlib
+import io
 import json
 import os
 import platform
@@ -61,6 +71,10 @@ MODEL = "tiny"
 SERVERS = ("ec-frontend", "vllm-api")
 SUMMARY_KEYS = (
     "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "server_cpu_ms_per_request",
+    "api_process_cpu_ms_per_request", "server_busy_cores",
+)  # fmt: skip
+WHOLE_KEYS = (
+    "requests_per_s", "e2el_p50_ms", "e2el_p99_ms", "server_cpu_ms_per_request",
     "api_process_cpu_ms_per_request", "server_busy_cores",
 )  # fmt: skip
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
@@ -314,6 +328,195 @@ def summarize(
     return summary
 
 
+class WholeConnection(asyncio.Protocol):
+    """One keep-alive connection that posts non-streamed chats: per response only
+    the C parser's callbacks and one ``json.loads``, so that the client costs the
+    shared cores as little as it can."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._body: list[bytes] = []
+
+    @classmethod
+    async def open(cls, port: int) -> WholeConnection:
+        _, conn = await asyncio.get_running_loop().create_connection(cls, "127.0.0.1", port)
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except Exception as exc:
+            if self._done is not None and not self._done.done():
+                self._done.set_exception(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(exc or ConnectionError("the server closed the connection"))
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    async def chat(self, payload: bytes) -> tuple[int, bytes]:
+        """(status, body) of one chat."""
+        assert self._transport is not None
+        self._done = asyncio.get_running_loop().create_future()
+        self._body = []
+        self._transport.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(payload), payload)
+        )
+        await self._done
+        return self._parser.get_status_code(), b"".join(self._body)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+def whole_bodies(
+    model: Path,
+    count: int,
+    input_len: int,
+    output_len: int,
+    image_size: int,
+    image: bool,
+    seed: int,
+) -> list[bytes]:
+    """Non-streamed chat bodies: ``input_len`` random token ids of the checkpoint's
+    tokenizer as text, and with ``image`` a random-noise JPEG (as ``random-mm``)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = np.random.default_rng(seed)
+    bodies = []
+    for _ in range(count):
+        ids = rng.integers(0, tokenizer.vocab_size, input_len).tolist()
+        content: list[dict[str, Any]] = [{"type": "text", "text": tokenizer.decode(ids)}]
+        if image:
+            pixels = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
+            buf = io.BytesIO()
+            Image.fromarray(pixels).save(buf, "JPEG")
+            url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+            content.append({"type": "image_url", "image_url": {"url": url}})
+        body = {
+            "model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_completion_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": False,
+        }  # fmt: skip
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+async def run_whole(server: Server, bodies: list[bytes], concurrency: int) -> dict[str, Any]:
+    """Send ``bodies`` over ``concurrency`` connections; requests/s, latencies, and
+    the responses that failed or did not carry every output token."""
+    conns = [await WholeConnection.open(server.port) for _ in range(concurrency)]
+    todo = list(reversed(bodies))
+    latencies: list[float] = []
+    failed = 0
+    tokens = 0
+
+    async def worker(conn: WholeConnection) -> None:
+        nonlocal failed, tokens
+        while todo:
+            payload = todo.pop()
+            start = time.perf_counter()
+            status, body = await conn.chat(payload)
+            latencies.append(time.perf_counter() - start)
+            if status != 200:
+                failed += 1
+                continue
+            tokens += json.loads(body)["usage"]["completion_tokens"]
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(c) for c in conns))
+    finally:
+        for c in conns:
+            c.close()
+    duration = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "completed": len(bodies) - failed,
+        "failed": failed,
+        "output_tokens": tokens,
+        "duration": duration,
+        "requests_per_s": (len(bodies) - failed) / duration,
+        "e2el_p50_ms": 1000 * latencies[len(latencies) // 2],
+        "e2el_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+    }
+
+
+def whole_rounds(
+    args: argparse.Namespace, servers: dict[str, Server], model: Path
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The non-streamed scenarios: a warm-up per server, then alternating rounds."""
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for scenario, image in (("chat (whole)", False), ("chat+image (whole)", True)):
+
+        def make(n: int, seed: int, image: bool = image) -> list[bytes]:
+            return whole_bodies(
+                model, n, args.input_len, args.output_len, args.image_size, image, seed
+            )
+
+        warm = make(args.warmup_prompts, 1000)
+        for name in SERVERS:
+            asyncio.run(run_whole(servers[name], warm, args.concurrency))
+        for r in range(args.rounds):
+            bodies = make(args.num_prompts, r)
+            for name in SERVERS if r % 2 == 0 else SERVERS[::-1]:
+                before = cpu_sample(servers)[name]
+                row = asyncio.run(run_whole(servers[name], bodies, args.concurrency))
+                after = cpu_sample(servers)[name]
+                tree, api = after[0] - before[0], after[1] - before[1]
+                row["round"] = f"round{r}"
+                row["server_cpu_ms_per_request"] = 1000 * tree / len(bodies)
+                row["api_process_cpu_ms_per_request"] = 1000 * api / len(bodies)
+                row["server_busy_cores"] = tree / row["duration"]
+                rows.setdefault(scenario, {}).setdefault(name, []).append(row)
+    return rows
+
+
+def summarize_whole(rows: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for scenario, by_server in rows.items():
+        med = {
+            server: {key: statistics.median(r[key] for r in rs) for key in WHOLE_KEYS}
+            for server, rs in by_server.items()
+        }
+        ours, theirs = by_server["ec-frontend"], by_server["vllm-api"]
+        summary[scenario] = {
+            "median": med,
+            "ratio_requests_per_s": med["ec-frontend"]["requests_per_s"]
+            / med["vllm-api"]["requests_per_s"],
+            "ratio_per_round": [
+                a["requests_per_s"] / b["requests_per_s"] for a, b in zip(ours, theirs, strict=True)
+            ],
+            "ratio_server_cpu_per_request": med["vllm-api"]["server_cpu_ms_per_request"]
+            / med["ec-frontend"]["server_cpu_ms_per_request"],
+            "ratio_api_process_cpu_per_request": med["vllm-api"]["api_process_cpu_ms_per_request"]
+            / med["ec-frontend"]["api_process_cpu_ms_per_request"],
+            "failed": {s: sum(r["failed"] for r in rs) for s, rs in by_server.items()},
+            "output_tokens": {s: [r["output_tokens"] for r in rs] for s, rs in by_server.items()},
+            "rounds": by_server,
+        }
+    return summary
+
+
 def template_cost_ms(model: Path, input_len: int, count: int = 200) -> float:
     """CPU ms per request of ec-frontend's real input processor (chat template and
     tokenizer) on single-message chats of ``input_len`` random tokens: the work a
@@ -359,6 +562,7 @@ def main() -> None:
         default="",
         help="more `ec-frontend serve` flags, one string (e.g. '--engine-mode inprocess')",
     )
+    p.add_argument("--streamed-only", action="store_true", help="skip the non-streamed scenarios")
     p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -377,6 +581,8 @@ def main() -> None:
             runs = plan(args, servers, model, out)
             cpu_used, output = run_client(vllm_python, runs, servers, out)
             summary = summarize(runs, cpu_used, out, output)
+        if not args.streamed_only:
+            summary.update(summarize_whole(whole_rounds(args, servers, model)))
     finally:
         for server in servers.values():
             server.stop()
@@ -387,9 +593,12 @@ def main() -> None:
     for scenario, s in summary.items():
         for server in SERVERS:
             m = s["median"][server]
+            first = "TTFT" if "ttft_p50_ms" in m else "E2E "
+            p50 = m.get("ttft_p50_ms", m.get("e2el_p50_ms"))
+            p99 = m.get("ttft_p99_ms", m.get("e2el_p99_ms"))
             print(
                 f"{scenario:11s} {server:12s} {m['requests_per_s']:8.1f} req/s  "
-                f"TTFT p50 {m['ttft_p50_ms']:7.1f} ms  p99 {m['ttft_p99_ms']:7.1f} ms  "
+                f"{first} p50 {p50:7.1f} ms  p99 {p99:7.1f} ms  "
                 f"server CPU {m['server_cpu_ms_per_request']:6.2f} ms/req, "
                 f"{m['server_busy_cores']:.2f} cores (API process "
                 f"{m['api_process_cpu_ms_per_request']:.2f} ms/req)  "
