@@ -71,3 +71,36 @@ def test_discard_only_unreferenced(h: Any) -> None:
     assert not cache.contains(h.fake_hash("img"))
     assert cache.num_free_slots == 8
     assert cache.take_freed_mm_hashes() == [h.fake_hash("img")]
+
+
+def test_counts_kept_as_entries_change_match_a_recount(h: Any) -> None:
+    """The reference count and the reclaimable rows, kept as entries change, equal a
+    recount of the entries after every operation of a random workload (hits, new
+    items, releases, evictions, discards)."""
+    import random
+
+    rng = random.Random(3)
+    cache = EncoderCacheManager(24)
+    requests = [
+        h.fake_request(f"r{i}", 40, images=[(f"img{rng.randrange(8)}", 0, rng.randrange(1, 9))])
+        for i in range(60)
+    ]
+    evicted = 0
+    for _ in range(400):
+        request = rng.choice(requests)
+        op = rng.random()
+        if op < 0.5 and not cache.check_and_update_cache(request, 0):
+            length = request.mm_features[0].length
+            if not cache.contains(request.mm_features[0].mm_hash) and cache.can_allocate(length):
+                cache.allocate(request, 0)
+        elif op < 0.85:
+            cache.free(request)
+        else:
+            cache.discard(request.mm_features[0].mm_hash)
+        evicted += len(cache.take_freed_mm_hashes())
+        refs = sum(len(r) for r in cache._refs.values())
+        freeable = sum(cache._sizes[m] for m, r in cache._refs.items() if not r)
+        assert cache.num_references() == refs
+        assert cache._freeable_rows == freeable == sum(cache._freeable.values())
+        assert cache.num_free_slots + sum(cache._sizes.values()) == cache.cache_size
+    assert evicted > 0

@@ -31,6 +31,9 @@ class EncoderCacheManager:
         self._sizes: dict[str, int] = {}
         self._freeable: OrderedDict[str, int] = OrderedDict()
         self._freed: list[str] = []
+        #: Kept as entries change, so that a step's stats read them in O(1).
+        self._num_refs = 0
+        self._freeable_rows = 0
 
     def contains(self, mm_hash: str) -> bool:
         return mm_hash in self._sizes
@@ -43,8 +46,9 @@ class EncoderCacheManager:
             return False
         if request.request_id not in refs:
             if not refs:
-                self._freeable.pop(mm_hash, None)
+                self._freeable_rows -= self._freeable.pop(mm_hash, 0)
             refs.add(request.request_id)
+            self._num_refs += 1
         return True
 
     def has_ref(self, request: Request, index: int) -> bool:
@@ -60,11 +64,11 @@ class EncoderCacheManager:
             return False
         if num_rows <= self.num_free_slots:
             return True
-        reclaimable = sum(self._freeable.values())
-        if num_rows > self.num_free_slots + reclaimable:
+        if num_rows > self.num_free_slots + self._freeable_rows:
             return False
         while num_rows > self.num_free_slots:
             mm_hash, size = self._freeable.popitem(last=False)
+            self._freeable_rows -= size
             del self._refs[mm_hash]
             del self._sizes[mm_hash]
             self.num_free_slots += size
@@ -81,6 +85,7 @@ class EncoderCacheManager:
         self.num_free_slots -= feature.length
         self._sizes[feature.mm_hash] = feature.length
         self._refs[feature.mm_hash] = {request.request_id}
+        self._num_refs += 1
 
     def free_encoder_input(self, request: Request, index: int) -> None:
         """Drop the request's reference to item ``index`` (no-op if it has none)."""
@@ -89,8 +94,11 @@ class EncoderCacheManager:
         if refs is None or request.request_id not in refs:
             return
         refs.discard(request.request_id)
+        self._num_refs -= 1
         if not refs:
-            self._freeable[mm_hash] = self._sizes[mm_hash]
+            size = self._sizes[mm_hash]
+            self._freeable[mm_hash] = size
+            self._freeable_rows += size
 
     def free(self, request: Request) -> None:
         """Drop every reference the request holds."""
@@ -105,7 +113,7 @@ class EncoderCacheManager:
         if size is None:
             return
         self._refs.pop(mm_hash, None)
-        self._freeable.pop(mm_hash, None)
+        self._freeable_rows -= self._freeable.pop(mm_hash, 0)
         self.num_free_slots += size
         self._freed.append(mm_hash)
 
@@ -116,7 +124,7 @@ class EncoderCacheManager:
 
     def num_references(self) -> int:
         """Total references held by requests (0 when no request holds any)."""
-        return sum(len(refs) for refs in self._refs.values())
+        return self._num_refs
 
     @property
     def usage(self) -> float:
