@@ -4,6 +4,7 @@ process handle and two clients on one engine (real process, real ZMQ sockets).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -134,6 +135,95 @@ def test_per_token_detokenizers_match_the_window_detokenizer(
     want = _run_detok(IncrementalDetokenizer(tok, prompt, params), tokens, chunk)
     assert got == want
     assert got[0] or got[1] is not None
+
+
+# ---- the output channel ---------------------------------------------------------------
+
+
+def _channel(tmp_path: Path) -> tuple[Any, Any, str]:
+    import zmq
+    from ec_frontend.engine.core_proc import OutputChannel
+
+    path = str(tmp_path / "out.sock")
+    channel = OutputChannel(path)
+    poller = zmq.Poller()
+    channel.poller = poller
+    channel.watch(channel.listener, zmq.POLLIN)
+    return channel, poller, path
+
+
+def _hello(path: str, identity: bytes, rcvbuf: int | None = None) -> Any:
+    import socket
+
+    from ec_frontend.engine.wire import HELLO, stream_frame
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(path)
+    sock.sendall(stream_frame(Codec().encode_header((HELLO, identity))))
+    return sock
+
+
+def _serve(channel: Any, poller: Any, rounds: int = 5) -> list[bytes]:
+    greeted = []
+    for _ in range(rounds):
+        greeted += channel.handle(dict(poller.poll(20)))
+    return greeted
+
+
+def test_output_channel_never_blocks_on_a_slow_client(tmp_path: Path) -> None:
+    """A client that does not read keeps what the kernel would not take in the
+    channel's outbox (``send`` returns at once, the other client gets its frames);
+    once it reads, every frame arrives whole and in order; a client that hangs up is
+    dropped and later sends to it are discarded; a bad hello closes the connection."""
+    from ec_frontend.engine.wire import FrameReader
+
+    channel, poller, path = _channel(tmp_path)
+    slow, fast = _hello(path, b"slow", rcvbuf=4096), _hello(path, b"fast")
+    assert sorted(_serve(channel, poller)) == [b"fast", b"slow"]
+    payloads = [bytes([i % 251]) * (50_000 + i) for i in range(40)]
+    start = time.monotonic()
+    for payload in payloads:
+        channel.send(b"slow", payload)
+        channel.send(b"fast", payload[:10])
+    assert time.monotonic() - start < 2.0
+    assert len(channel._by_identity[b"slow"].outbox) > 0
+
+    fast.settimeout(5)
+    got_fast: list[bytes] = []
+    reader = FrameReader()
+    while len(got_fast) < len(payloads):
+        got_fast += reader.feed(fast.recv(65536))
+    assert got_fast == [p[:10] for p in payloads]
+
+    slow.setblocking(False)
+    reader, got_slow = FrameReader(), []
+    deadline = time.monotonic() + 30
+    while len(got_slow) < len(payloads) and time.monotonic() < deadline:
+        channel.handle(dict(poller.poll(5)))
+        with contextlib.suppress(BlockingIOError):
+            got_slow += reader.feed(slow.recv(1 << 20))
+    assert got_slow == payloads
+    assert not channel._by_identity[b"slow"].outbox
+
+    slow.close()
+    _serve(channel, poller)
+    assert b"slow" not in channel._by_identity
+    channel.send(b"slow", b"gone")  # discarded, no error
+
+    import socket
+
+    bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bad.connect(path)
+    bad.sendall(b"\x05\x00\x00\x00hello")
+    bad.settimeout(5)
+    _serve(channel, poller)
+    assert bad.recv(10) == b""  # closed by the engine
+    assert set(channel._by_identity) == {b"fast"}
+    for sock in (fast, bad):
+        sock.close()
+    channel.close()
 
 
 # ---- the process handle -------------------------------------------------------------

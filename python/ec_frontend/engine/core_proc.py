@@ -2,15 +2,15 @@
 
 The process is a fresh interpreter (spawned, never forked: CUDA-safe) that imports
 only what the engine needs, builds an :class:`~ec_frontend.engine.core.EngineCore`
-and runs a busy step loop (no asyncio) between two ZMQ ROUTER sockets:
+and runs a busy step loop (no asyncio) between two channels:
 
-* **input** (``<dir>/in``): each client's DEALER sends requests, aborts and stop
-  notices; the ROUTER tells clients apart by their identity.
-* **output** (``<dir>/out``): each client's DEALER says ``hello`` once and is
-  answered with the engine's facts (``welcome``); after every step that computed
-  anything, each client gets one message with its own outputs (possibly none),
-  the step's stats snapshot and the request ids that connectors keep holding
-  after they finished.
+* **input** (``<dir>/in``, a ZMQ ROUTER): each client's DEALER sends requests,
+  aborts and stop notices; the ROUTER tells clients apart by their identity.
+* **output** (``<dir>/out.sock``, a Unix stream socket): each client connects,
+  says ``hello`` with its identity once and is answered with the engine's facts
+  (``welcome``); after every step that computed anything, each client gets one
+  message with its own outputs (possibly none), the step's stats snapshot and the
+  request ids that connectors keep holding after they finished.
 
 The messages are :mod:`ec_frontend.engine.wire`'s. Request ids are a client's own:
 with more than one client the engine keys its requests by ``(client, id)``.
@@ -32,6 +32,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,8 @@ from ec_frontend.engine.wire import (
     ABORT,
     ABORT_GROUPS,
     ADD,
+    HELLO,
+    OUTPUT_SOCKET,
     PROTOCOL_VERSION,
     SHUTDOWN,
     STOP,
@@ -58,8 +61,10 @@ from ec_frontend.engine.wire import (
     Codec,
     EngineOutput,
     EngineOutputs,
+    FrameReader,
     _torch,
     pack_output,
+    stream_frame,
     unpack_fields,
 )
 from ec_frontend.errors import StartupError
@@ -116,7 +121,8 @@ class EngineProcess:
 
     @property
     def address(self) -> str:
-        """The ``ipc://`` prefix of the engine's sockets (``<address>/in``, ``/out``)."""
+        """The ``ipc://`` prefix of the engine's channels (``<address>/in``, ZMQ, and
+        ``<address>/out.sock``, a Unix stream socket)."""
         return f"ipc://{self.directory}"
 
     @property
@@ -405,13 +411,11 @@ class EngineServer:
         self.num_clients = num_clients
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.ROUTER)
-        self.output = self.ctx.socket(zmq.ROUTER)
-        for sock in (self.input, self.output):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.setsockopt(zmq.RCVHWM, 0)
+        self.input.setsockopt(zmq.SNDHWM, 0)
         self.input.bind(f"ipc://{directory}/in")
-        self.output.bind(f"ipc://{directory}/out")
+        self.output = OutputChannel(os.path.join(directory, OUTPUT_SOCKET))
         self.codec = Codec()
         self.clients: list[bytes] = []
         #: engine request id -> (client identity, the client's id)
@@ -434,7 +438,7 @@ class EngineServer:
 
     def close(self) -> None:
         self.input.close(0)
-        self.output.close(0)
+        self.output.close()
         self.ctx.term()
 
     # ---- loop -----------------------------------------------------------------
@@ -443,12 +447,15 @@ class EngineServer:
         core = self.core
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
-        poller.register(self.output, zmq.POLLIN)
+        output = self.output
+        output.poller = poller
+        output.watch(output.listener, zmq.POLLIN)
         wait_ms = _IDLE_POLL_MS
         while self.running:
             events = dict(poller.poll(wait_ms))
-            if self.output in events:
-                self._greet()
+            if len(events) > (self.input in events):
+                for identity in output.handle(events):
+                    self._greet(identity)
             if self.input in events:
                 self._drain_input()
             if os.getppid() != self.parent:
@@ -465,16 +472,11 @@ class EngineServer:
             if not outputs and core.last_num_scheduled == 0:
                 wait_ms = _TRANSFER_POLL_MS
 
-    def _greet(self) -> None:
-        while True:
-            try:
-                identity, *_ = self.output.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if identity not in self.clients:
-                self.clients.append(identity)
-            info = {**self.info, "stats": _stats_values(self.core.stats())}
-            self.output.send_multipart([identity, *self.codec.encode((WELCOME, info))])
+    def _greet(self, identity: bytes) -> None:
+        if identity not in self.clients:
+            self.clients.append(identity)
+        info = {**self.info, "stats": _stats_values(self.core.stats())}
+        self.output.send(identity, self.codec.encode_header((WELCOME, info)))
 
     def _drain_input(self) -> None:
         while True:
@@ -542,7 +544,7 @@ class EngineServer:
         """A request that never reached the core ends at once with ``error``."""
         item = EngineOutput(request_id, [], "error", error=error)
         message = EngineOutputs([item], _stats_values(self.core.stats()))
-        self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
+        self.output.send(identity, self.codec.encode_header(message))
 
     def _inputs(self, data: dict[str, Any]) -> Any:
         """``ProcessedInputs``, or what a mock core builds in their place (duck-typed)."""
@@ -610,7 +612,156 @@ class EngineServer:
             message = EngineOutputs(
                 items, stats, held_added.get(identity), held_released.get(identity)
             )
-            self.output.send_multipart([identity, *self.codec.encode(message)], copy=False)
+            self.output.send(identity, self.codec.encode_header(message))
+
+
+class _Connection:
+    """One client's output connection: its socket, what waits to be sent, and
+    (until its ``hello``) what it has sent."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.identity: bytes | None = None
+        self.outbox = bytearray()
+        self.reader = FrameReader()
+
+
+class OutputChannel:
+    """The engine's output side: a Unix stream socket that clients connect to, one
+    connection each, told apart by the identity of their ``hello``. :meth:`send`
+    never blocks: what the kernel does not take now is kept and sent as the socket
+    drains (the step loop's poller watches it). A client that hangs up is dropped;
+    what was meant for it is discarded."""
+
+    def __init__(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.poller: zmq.Poller | None = None
+        self._by_fd: dict[int, _Connection] = {}
+        self._by_identity: dict[bytes, _Connection] = {}
+        self._codec = Codec()
+
+    def watch(self, sock: socket.socket, flags: int) -> None:
+        if self.poller is not None:
+            self.poller.register(sock, flags)
+
+    def handle(self, events: dict[Any, int]) -> list[bytes]:
+        """Serve the poller's events on this channel's sockets; the identities of
+        clients that said ``hello`` now."""
+        greeted: list[bytes] = []
+        listener = self.listener.fileno()
+        for fd, flags in events.items():
+            # The poller reports a native socket by its descriptor.
+            if fd == listener:
+                self._accept()
+                continue
+            conn = self._by_fd.get(fd) if isinstance(fd, int) else None
+            if conn is None:
+                continue
+            if flags & zmq.POLLOUT:
+                self._flush(conn)
+            if flags & (zmq.POLLIN | zmq.POLLERR):
+                identity = self._read(conn)
+                if identity is not None:
+                    greeted.append(identity)
+        return greeted
+
+    def send(self, identity: bytes, header: bytes) -> None:
+        conn = self._by_identity.get(identity)
+        if conn is None:
+            return
+        data = stream_frame(header)
+        if conn.outbox:
+            conn.outbox += data
+            return
+        try:
+            sent = conn.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop(conn)
+            return
+        if sent < len(data):
+            conn.outbox += data[sent:]
+            self._modify(conn, zmq.POLLIN | zmq.POLLOUT)
+
+    def close(self) -> None:
+        for conn in list(self._by_fd.values()):
+            conn.sock.close()
+        self._by_fd.clear()
+        self._by_identity.clear()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            conn = _Connection(sock)
+            self._by_fd[sock.fileno()] = conn
+            self.watch(sock, zmq.POLLIN)
+
+    def _read(self, conn: _Connection) -> bytes | None:
+        """Read what the client sent: its ``hello`` (the identity returned), or the
+        end of the connection."""
+        try:
+            data = conn.sock.recv(65536)
+        except BlockingIOError:
+            return None
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return None
+        if conn.identity is not None:
+            return None
+        try:
+            frames = conn.reader.feed(data)
+            if not frames:
+                return None
+            kind, identity = self._codec.decode([frames[0]])
+            if kind != HELLO or not isinstance(identity, bytes):
+                raise ValueError(f"unexpected first message {kind!r}")
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            logger.error("a client's output connection opened badly: %s", exc)
+            self._drop(conn)
+            return None
+        old = self._by_identity.get(identity)
+        if old is not None:
+            self._drop(old)
+        conn.identity = identity
+        self._by_identity[identity] = conn
+        return identity
+
+    def _flush(self, conn: _Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        del conn.outbox[:sent]
+        if not conn.outbox:
+            self._modify(conn, zmq.POLLIN)
+
+    def _modify(self, conn: _Connection, flags: int) -> None:
+        if self.poller is not None:
+            self.poller.modify(conn.sock, flags)
+
+    def _drop(self, conn: _Connection) -> None:
+        if self._by_fd.pop(conn.sock.fileno(), None) is None:
+            return
+        if conn.identity is not None and self._by_identity.get(conn.identity) is conn:
+            del self._by_identity[conn.identity]
+        if self.poller is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.poller.unregister(conn.sock)
+        conn.sock.close()
 
 
 def _stats_values(stats: EngineStats) -> list[int | float]:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -57,14 +58,17 @@ from ec_frontend.engine.wire import (
     ABORT_GROUPS,
     ADD,
     HELLO,
+    OUTPUT_SOCKET,
     SHUTDOWN,
     STOP,
     WELCOME,
     Codec,
     EngineOutput,
+    FrameReader,
     outputs_decoder,
     pack_dataclass,
     pack_params,
+    stream_frame,
 )
 from ec_frontend.errors import StartupError
 
@@ -81,8 +85,8 @@ logger = logging.getLogger(__name__)
 #: How often the watcher looks at the engine process without a pidfd, or at a
 #: shutdown (s).
 _WATCH_S = 0.2
-#: Most engine messages one read decodes before the loop runs the streams.
-_DRAIN_MESSAGES = 64
+#: Most bytes of engine messages one read takes before the loop runs the streams.
+_READ_BYTES = 1 << 20
 
 __all__ = ["EngineDeadError", "MPEngineClient", "StartupError"]
 
@@ -116,10 +120,11 @@ class MPEngineClient:
         self._ctx = zmq.Context(io_threads=1)
         identity = f"client-{client_index}".encode()
         self._input = self._socket(identity, f"{address}/in")
-        self._output = self._socket(identity, f"{address}/out")
+        self._output = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._codec = Codec()
         self._out_codec = Codec()
         self._out_decoder = outputs_decoder()
+        self._frames = FrameReader()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._requests: dict[str, _ClientRequest] = {}
@@ -128,8 +133,9 @@ class MPEngineClient:
         self._closing = False
         self._dead: str | None = None
         try:
-            info = self._handshake()
+            info = self._handshake(identity, address.removeprefix("ipc://"))
         except BaseException:
+            self._output.close()
             self._ctx.destroy(linger=0)
             raise
         self.info = info
@@ -139,7 +145,7 @@ class MPEngineClient:
         self._stats_values: list[Any] = info["stats"]
         self._stats: EngineStats | None = None
         self._pidfd = _pidfd(self.pid)
-        self._fd = int(self._output.getsockopt(zmq.FD))
+        self._fd = self._output.fileno()
         self._home: asyncio.AbstractEventLoop | None = None
         self._home_lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="ec-engine-watch", daemon=True)
@@ -154,16 +160,37 @@ class MPEngineClient:
         sock.connect(endpoint)
         return sock
 
-    def _handshake(self) -> dict[str, Any]:
-        self._output.send(HELLO)
+    def _handshake(self, identity: bytes, directory: str) -> dict[str, Any]:
+        """Connect the output channel, say hello, wait for the engine's welcome."""
         deadline = time.monotonic() + WELCOME_TIMEOUT_S
-        while not self._output.poll(100):
+        sock = self._output
+        sock.settimeout(0.1)
+        path = os.path.join(directory, OUTPUT_SOCKET)
+        frames: list[bytes] = []
+        connected = False
+        while not frames:
             gone = self.process is not None and not self.process.is_alive()
             if gone or time.monotonic() > deadline:
                 raise StartupError("the engine process did not answer")
-        kind, info = self._out_codec.decode(self._output.recv_multipart(copy=False))
+            try:
+                if not connected:
+                    sock.connect(path)
+                    connected = True
+                    sock.sendall(stream_frame(self._out_codec.encode_header((HELLO, identity))))
+                data = sock.recv(65536)
+            except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+                if not connected:
+                    time.sleep(0.05)
+                continue
+            if not data:
+                raise StartupError("the engine closed its output channel")
+            frames = self._frames.feed(data)
+        kind, info = self._out_codec.decode([frames[0]])
         if kind != WELCOME:
             raise StartupError(f"unexpected first message from the engine: {kind!r}")
+        if len(frames) > 1:
+            raise StartupError("the engine sent outputs before its welcome")
+        sock.setblocking(False)
         welcome: dict[str, Any] = info
         return welcome
 
@@ -273,6 +300,7 @@ class MPEngineClient:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._leave_home(timeout)
+        self._output.close()
         self._ctx.destroy(linger=0)
         if self._pidfd is not None:
             os.close(self._pidfd)
@@ -343,7 +371,7 @@ class MPEngineClient:
             done.wait(min(timeout, 1.0))
 
     def _on_readable(self) -> None:
-        """The messages already received (up to :data:`_DRAIN_MESSAGES`, then again on
+        """The messages already received (up to :data:`_READ_BYTES`, then again on
         the loop's next turn); this loop's streams get their deltas at once, others'
         loops one hand-off each."""
         if self._closing or self._dead is not None:
@@ -432,16 +460,20 @@ class MPEngineClient:
                     logger.exception("engine death callback failed")
 
     def _receive(self, batches: dict[asyncio.AbstractEventLoop, _Deliveries]) -> bool:
-        """Decode up to :data:`_DRAIN_MESSAGES` messages into ``batches``; whether more
-        may be waiting."""
+        """Decode the messages that have arrived (up to :data:`_READ_BYTES`) into
+        ``batches``; whether more may be waiting."""
+        try:
+            data = self._output.recv(_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self._closed_by_engine()
+            return False
         decode = self._out_decoder.decode
-        recv = self._output.recv_multipart
-        for _ in range(_DRAIN_MESSAGES):
-            try:
-                frames = recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return False
-            message = decode(frames[0].buffer)
+        for frame in self._frames.feed(data):
+            message = decode(frame)
             self._stats_values, self._stats = message.stats, None
             if message.held_added:
                 self._held.update(message.held_added)
@@ -458,7 +490,21 @@ class MPEngineClient:
                     with self._lock:
                         self._requests.pop(out.request_id, None)
                 batches.setdefault(state.sink.loop, []).append((state.sink.queue, out))
-        return True
+        return len(data) == _READ_BYTES
+
+    def _closed_by_engine(self) -> None:
+        """The engine ended the output channel: stop reading; the engine process's
+        end (the watcher's reason) follows, else this ends the client after 1 s."""
+        with contextlib.suppress(Exception):
+            self._leave_home(0.0)
+
+        def settle() -> None:
+            self._thread.join(1.0)
+            if not self._closing:
+                self._end("the engine closed its output channel", unexpected=True)
+
+        if not self._closing and self._dead is None:
+            threading.Thread(target=settle, daemon=True).start()
 
     def _output_of(self, state: _ClientRequest, item: EngineOutput) -> RequestOutput | None:
         """The delta of one engine output (``None``: nothing to deliver yet)."""

@@ -1,15 +1,21 @@
 """The engine process's wire format: the message schema both sides import.
 
-Two ZMQ ROUTER sockets connect the engine process (``engine/core_proc.py``) and
-its clients (``engine/mp_client.py``, one per API server):
+Two channels connect the engine process (``engine/core_proc.py``) and its clients
+(``engine/mp_client.py``, one per API server):
 
-* **input**: ``[ADD, request_id, inputs, params]`` (with a fifth element, the
-  request's group: the client request it is a choice of), ``[ABORT, [ids]]``,
-  ``[ABORT_GROUPS, [groups]]`` (every request of those groups, whichever client
-  added it: an abort through any API server of a group reaches the request),
-  ``[STOP, id, reason]``, ``[SHUTDOWN]``;
-* **output**: ``hello`` once from each client, answered ``[WELCOME, info]``; then
-  one :class:`EngineOutputs` per client after every step that computed anything.
+* **input**, a ZMQ ROUTER socket (``<directory>/in``): ``[ADD, request_id, inputs,
+  params]`` (with a fifth element, the request's group: the client request it is a
+  choice of), ``[ABORT, [ids]]``, ``[ABORT_GROUPS, [groups]]`` (every request of
+  those groups, whichever client added it: an abort through any API server of a
+  group reaches the request), ``[STOP, id, reason]``, ``[SHUTDOWN]``;
+* **output**, one Unix stream connection per client (``<directory>/out.sock``):
+  ``[HELLO, identity]`` once from the client, answered ``[WELCOME, info]``; then
+  one :class:`EngineOutputs` after every step that computed anything. Each message
+  is one frame: its length (4 bytes, little-endian), then the header. The engine
+  sends a step's message with one ``send`` on a socket it never blocks on (what
+  the kernel does not take waits for the socket to drain); a ZMQ socket here
+  cost a wake-up of ZMQ's I/O thread on both sides per step, which made up most
+  of a mock engine's per-step cost.
 
 Messages are msgpack (msgspec) headers, version :data:`PROTOCOL_VERSION`; outputs
 are :class:`msgspec.Struct` s encoded as arrays (``array_like``): fields by name in
@@ -20,6 +26,7 @@ and received as views of the frame; the header holds their dtype and shape.
 
 from __future__ import annotations
 
+import struct
 import sys
 import types
 import warnings
@@ -60,6 +67,42 @@ _EXT_NDARRAY = 2
 #: A frame as ``send_multipart`` takes it and ``recv_multipart`` gives it back.
 Frame = bytes | memoryview | zmq.Frame
 
+#: The output channel's socket file in the engine's directory.
+OUTPUT_SOCKET = "out.sock"
+#: Most bytes one output frame may declare (a corrupt length ends the channel).
+MAX_FRAME = 1 << 30
+_LENGTH = struct.Struct("<I")
+
+
+def stream_frame(header: bytes) -> bytes:
+    """One output-channel frame: the header's length, then the header."""
+    return _LENGTH.pack(len(header)) + header
+
+
+class FrameReader:
+    """Splits the bytes of an output channel into frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The frames completed by ``data`` (the rest waits for more)."""
+        buf = self._buf
+        buf += data
+        frames: list[bytes] = []
+        start, end = 0, len(buf)
+        while end - start >= 4:
+            (size,) = _LENGTH.unpack_from(buf, start)
+            if size > MAX_FRAME:
+                raise ValueError(f"an output frame declares {size} bytes")
+            if end - start - 4 < size:
+                break
+            frames.append(bytes(buf[start + 4 : start + 4 + size]))
+            start += 4 + size
+        if start:
+            del buf[:start]
+        return frames
+
 
 class Codec:
     """msgpack headers with tensors as extra frames. Not thread-safe: one per user."""
@@ -79,6 +122,14 @@ class Codec:
             return [header, *self._frames]
         finally:
             self._frames = []
+
+    def encode_header(self, message: object) -> bytes:
+        """``message`` as one header (the output channel's messages carry no tensors)."""
+        frames = self.encode(message)
+        header = frames[0]
+        if len(frames) != 1 or not isinstance(header, bytes):
+            raise ValueError("an output-channel message carries no tensors")
+        return header
 
     def decode(self, frames: Sequence[Frame]) -> Any:
         """The message of ``[header, *tensor frames]`` (frames from ``copy=False``); its
