@@ -95,8 +95,10 @@ def print_top(raw: Path, limit: int = 30) -> None:
     self_n: dict[str, int] = {}
     total_n: dict[str, int] = {}
     samples = 0
-    for line in raw.read_text().splitlines():
+    for line in raw.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue  # a frame name with a line break in it: not a stack line
         n = int(count)
         samples += n
         frames = stack.split(";")
