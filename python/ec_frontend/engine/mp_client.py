@@ -399,11 +399,16 @@ class MPEngineClient:
     def _watch(self) -> None:
         """Sleep until the engine process is gone (or the client shuts down)."""
         pidfd = self._pidfd
+        watch = None
+        if pidfd is not None:
+            # poll, not select: a server's descriptors may number past FD_SETSIZE.
+            watch = select.poll()
+            watch.register(pidfd, select.POLLIN)
         reason = "the engine is shut down"
         try:
             while not self._closing and self._dead is None:
-                if pidfd is not None:
-                    if select.select([pidfd], [], [], _WATCH_S)[0] and not self._closing:
+                if watch is not None:
+                    if watch.poll(_WATCH_S * 1000) and not self._closing:
                         reason = self._death_reason()
                         break
                 else:
