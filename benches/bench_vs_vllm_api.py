@@ -63,6 +63,10 @@ from typing import Any
 import httpx
 from ec_frontend.model.builtin import ensure_builtin_checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine_proc import LightConnection
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results" / "bench_vs_vllm_api.json"
 STUB_DRIVER = ROOT / "benches" / "vllm_api_stub_driver.py"
@@ -303,10 +307,17 @@ def summarize(
             "server_busy_cores": tree / res["duration"],
         }
         rows.setdefault(run["scenario"], {}).setdefault(run["server"], []).append(row)
+    return scenario_summaries(rows, SUMMARY_KEYS)
+
+
+def scenario_summaries(
+    rows: dict[str, dict[str, list[dict[str, Any]]]], keys: tuple[str, ...]
+) -> dict[str, Any]:
+    """Per scenario: the medians of ``keys`` over rounds, and ec-frontend's ratios."""
     summary: dict[str, Any] = {}
     for scenario, by_server in rows.items():
         med = {
-            server: {key: statistics.median(r[key] for r in rs) for key in SUMMARY_KEYS}
+            server: {key: statistics.median(r[key] for r in rs) for key in keys}
             for server, rs in by_server.items()
         }
         ours, theirs = by_server["ec-frontend"], by_server["vllm-api"]
@@ -328,61 +339,25 @@ def summarize(
     return summary
 
 
-class WholeConnection(asyncio.Protocol):
-    """One keep-alive connection that posts non-streamed chats: per response only
-    the C parser's callbacks and one ``json.loads``, so that the client costs the
-    shared cores as little as it can."""
-
-    def __init__(self) -> None:
-        import httptools
-
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._done: asyncio.Future[None] | None = None
-        self._body: list[bytes] = []
-
-    @classmethod
-    async def open(cls, port: int) -> WholeConnection:
-        _, conn = await asyncio.get_running_loop().create_connection(cls, "127.0.0.1", port)
-        return conn
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except Exception as exc:
-            if self._done is not None and not self._done.done():
-                self._done.set_exception(exc)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(exc or ConnectionError("the server closed the connection"))
+class WholeConnection(LightConnection):
+    """:mod:`bench_engine_proc`'s light connection, posting non-streamed chats: per
+    response only the C parser's callbacks and one ``json.loads``."""
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
+        self._pending += body
 
-    def on_message_complete(self) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
-
-    async def chat(self, payload: bytes) -> tuple[int, bytes]:
+    async def chat_whole(self, payload: bytes) -> tuple[int, bytes]:
         """(status, body) of one chat."""
         assert self._transport is not None
         self._done = asyncio.get_running_loop().create_future()
-        self._body = []
+        self._pending = b""
         self._transport.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
             % (len(payload), payload)
         )
         await self._done
-        return self._parser.get_status_code(), b"".join(self._body)
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+        return self._parser.get_status_code(), self._pending
 
 
 def whole_bodies(
@@ -425,17 +400,18 @@ async def run_whole(server: Server, bodies: list[bytes], concurrency: int) -> di
     """Send ``bodies`` over ``concurrency`` connections; requests/s, latencies, and
     the responses that failed or did not carry every output token."""
     conns = [await WholeConnection.open(server.port) for _ in range(concurrency)]
+    assert all(isinstance(c, WholeConnection) for c in conns)
     todo = list(reversed(bodies))
     latencies: list[float] = []
     failed = 0
     tokens = 0
 
-    async def worker(conn: WholeConnection) -> None:
+    async def worker(conn: Any) -> None:
         nonlocal failed, tokens
         while todo:
             payload = todo.pop()
             start = time.perf_counter()
-            status, body = await conn.chat(payload)
+            status, body = await conn.chat_whole(payload)
             latencies.append(time.perf_counter() - start)
             if status != 200:
                 failed += 1
@@ -489,32 +465,6 @@ def whole_rounds(
                 row["server_busy_cores"] = tree / row["duration"]
                 rows.setdefault(scenario, {}).setdefault(name, []).append(row)
     return rows
-
-
-def summarize_whole(rows: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    for scenario, by_server in rows.items():
-        med = {
-            server: {key: statistics.median(r[key] for r in rs) for key in WHOLE_KEYS}
-            for server, rs in by_server.items()
-        }
-        ours, theirs = by_server["ec-frontend"], by_server["vllm-api"]
-        summary[scenario] = {
-            "median": med,
-            "ratio_requests_per_s": med["ec-frontend"]["requests_per_s"]
-            / med["vllm-api"]["requests_per_s"],
-            "ratio_per_round": [
-                a["requests_per_s"] / b["requests_per_s"] for a, b in zip(ours, theirs, strict=True)
-            ],
-            "ratio_server_cpu_per_request": med["vllm-api"]["server_cpu_ms_per_request"]
-            / med["ec-frontend"]["server_cpu_ms_per_request"],
-            "ratio_api_process_cpu_per_request": med["vllm-api"]["api_process_cpu_ms_per_request"]
-            / med["ec-frontend"]["api_process_cpu_ms_per_request"],
-            "failed": {s: sum(r["failed"] for r in rs) for s, rs in by_server.items()},
-            "output_tokens": {s: [r["output_tokens"] for r in rs] for s, rs in by_server.items()},
-            "rounds": by_server,
-        }
-    return summary
 
 
 def template_cost_ms(model: Path, input_len: int, count: int = 200) -> float:
@@ -582,7 +532,7 @@ def main() -> None:
             cpu_used, output = run_client(vllm_python, runs, servers, out)
             summary = summarize(runs, cpu_used, out, output)
         if not args.streamed_only:
-            summary.update(summarize_whole(whole_rounds(args, servers, model)))
+            summary.update(scenario_summaries(whole_rounds(args, servers, model), WHOLE_KEYS))
     finally:
         for server in servers.values():
             server.stop()

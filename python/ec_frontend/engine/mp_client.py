@@ -371,16 +371,15 @@ class MPEngineClient:
             done.wait(min(timeout, 1.0))
 
     def _on_readable(self) -> None:
-        """The messages already received (up to :data:`_READ_BYTES`, then again on
-        the loop's next turn); this loop's streams get their deltas at once, others'
+        """The messages already received (up to :data:`_READ_BYTES`; the reader fires
+        again while more is there); this loop's streams get their deltas at once, others'
         loops one hand-off each."""
         if self._closing or self._dead is not None:
             return
         home = self._home
         batches: dict[asyncio.AbstractEventLoop, _Deliveries] = {}
-        more = False
         try:
-            more = self._receive(batches)
+            self._receive(batches)
         except Exception as exc:
             if not self._closing:
                 logger.exception("engine client stopped")
@@ -391,8 +390,6 @@ class MPEngineClient:
                     _put_all(deliveries)
                 else:
                     _post(loop, deliveries)
-        if more and home is not None:
-            home.call_soon(self._on_readable)
 
     # ---- the watcher thread ---------------------------------------------------------
 
